@@ -1,0 +1,85 @@
+"""The exception tree of genrm-trio.
+
+::
+
+    GenRMError                      base of everything we raise on purpose
+    +-- ConfigError                 config.py: invalid configuration (one key, one problem)
+    +-- WireError                   wire.py: a request body that cannot be accepted
+    |   +-- BadRequest              400 bad_request: not JSON, not an object, wrong type ($.path)
+    |   +-- TooLarge                413 too_large: body over max_request_bytes
+    |   +-- BadCoordinates          422 bad_coordinates: rollout index / attempt out of range
+    +-- JudgeError                  server/judge.py: one comparison could not be judged
+    |   +-- TransientJudgeError     retryable: connection error, cut body, 408/429/5xx, unusable answer
+    |   +-- FatalJudgeError         not retryable: other 4xx, per-request deadline
+    |   +-- JudgeFailed             the comparison failed for good (budget exhausted or fatal)
+    +-- JudgeParseError             scoring.py: judge text has no usable verdict
+
+Cohort outcomes (409/429/503 answers) are not exceptions: they are values
+(:class:`genrm_trio.server.cohort.Failure`) handed to every waiter, so one
+outcome object is shared by all the waiters of a cohort.
+"""
+
+from __future__ import annotations
+
+
+class GenRMError(Exception):
+    """Base class of every error genrm-trio raises on purpose."""
+
+
+class ConfigError(GenRMError):
+    """Invalid configuration: ``key`` names the offending key (dotted), ``problem`` says why."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"config key {key!r}: {problem}")
+
+
+class WireError(GenRMError):
+    """A request body that cannot be accepted; maps to one HTTP status and failure kind."""
+
+    status: int = 400
+    failure_kind: str = "bad_request"
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(detail)
+
+
+class BadRequest(WireError):
+    status = 400
+    failure_kind = "bad_request"
+
+
+class TooLarge(WireError):
+    status = 413
+    failure_kind = "too_large"
+
+
+class BadCoordinates(WireError):
+    status = 422
+    failure_kind = "bad_coordinates"
+
+
+class JudgeError(GenRMError):
+    """One judge call or comparison went wrong; the message is safe to show (no secrets)."""
+
+
+class TransientJudgeError(JudgeError):
+    """Retryable within the comparison's budget. ``retry_after_s`` is the judge's hint, if any."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class FatalJudgeError(JudgeError):
+    """Not retryable: the comparison fails at once."""
+
+
+class JudgeFailed(JudgeError):
+    """A comparison failed for good; the cohort is masked with this text."""
+
+
+class JudgeParseError(GenRMError):
+    """The judge's answer text holds no usable verdict."""
