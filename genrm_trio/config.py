@@ -1,13 +1,50 @@
 """Configuration: frozen msgspec structs, units in the names (``*_s``, ``*_bytes``).
 
 Pure core: no I/O besides reading the YAML file handed to :func:`load_config`.
+
+Sources, lowest precedence first:
+
+1. the struct defaults below;
+2. a YAML file, in one of two shapes:
+
+   * our flat format: the keys of :class:`Config` at the top level, ``judge`` as a nested
+     mapping (see ``configs/default.yaml``);
+   * a NeMo Gym ``genrm_compare`` block, loaded unchanged: the server mapping is found under
+     ``<anything>.resources_servers.<name>`` (the one holding ``genrm_model_server`` or
+     ``genrm_responses_create_params``, or named ``genrm_compare``), or a
+     ``resources_servers:`` mapping at the top level (see ``configs/genrm_compare.yaml``).
+     Other top-level blocks of the file (``genrm_model:`` and so on) are not ours and are skipped;
+
+3. environment variables ``GENRM_TRIO_<KEY>`` (``__`` between nested keys:
+   ``GENRM_TRIO_JUDGE__API=chat``), each value parsed as YAML;
+4. ``KEY=VALUE`` overrides (the CLI's repeatable ``--set``; ``KEY`` dotted for nested keys,
+   ``VALUE`` parsed as YAML), applied in order.
+
+NeMo Gym-only keys (:data:`NEMO_IGNORED_KEYS`: ``entrypoint``, ``domain``, ``name``,
+``genrm_model_server``, ``verified``, ``description``, ``value``, ``num_workers``, ``datasets``,
+``expose_tools_over_mcp``) are accepted in a file and ignored: they describe how NeMo Gym wires
+its servers together, which has no meaning for a standalone server. ``host`` and ``port`` in a
+block map onto ours; there, as in NeMo Gym, ``null`` means "not set" (the default is kept).
+``genrm_responses_create_params.input`` is dropped wherever it comes from: the judge input is
+built per comparison (NeMo Gym replaces it too), so the template's ``input: []`` means nothing.
+
+Every problem raises :class:`~genrm_trio.errors.ConfigError` whose ``str()`` is one line naming
+the dotted key (``judge.base_urls[1]``) and the problem.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
+import yaml
+
+from genrm_trio.errors import ConfigError
 
 DEFAULT_PRINCIPLE = (
     "Act as an impartial judge. Compare the two responses to the conversation above and decide "
@@ -16,13 +53,52 @@ DEFAULT_PRINCIPLE = (
     "missing. Do not let the order, the length or the names of the responses sway you."
 )
 
+ENV_PREFIX = "GENRM_TRIO_"
+"""Environment variables with this prefix override config keys (``__`` separates nesting)."""
+
+NEMO_IGNORED_KEYS: frozenset[str] = frozenset(
+    {
+        "entrypoint",
+        "domain",
+        "name",
+        "genrm_model_server",
+        "verified",
+        "description",
+        "value",
+        "num_workers",
+        "datasets",
+        "expose_tools_over_mcp",
+    }
+)
+"""Keys of a NeMo Gym server block that only matter inside NeMo Gym: accepted, ignored."""
+
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+# Keys whose presence marks a NeMo Gym resources-server mapping as the genrm_compare one.
+_NEMO_MARKER_KEYS = frozenset({"genrm_model_server", "genrm_responses_create_params"})
+_NEMO_NULLABLE_KEYS = frozenset({"host", "port"})
+_MAX_CONNECTIONS_PER_CLIENT = 16
+_PLUGIN_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_SEARCH_DEPTH = 8
+_VALUE_REPR_CHARS = 60
+_SECRET_WORDS = ("key", "token", "secret", "password", "authorization", "cookie")
+
 
 def _default_judge_params() -> dict[str, Any]:
     return {"max_output_tokens": 16384, "temperature": 0.6, "top_p": 0.95}
 
 
 class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Where and how the judge is called. Empty ``base_urls`` and no plugin: built-in judge."""
+    """Where and how the judge is called. Empty ``base_urls`` and no plugin: built-in judge.
+
+    ``plugin`` is ``module:function`` (checked for shape here, imported by the judge).
+    ``base_urls`` are OpenAI-style server roots, each ``http://`` or ``https://`` with a host.
+    They are normalised on construction: one trailing ``/`` and then one trailing ``/v1`` are
+    stripped (``http://judge:8000/v1/`` becomes ``http://judge:8000``); the judge client adds
+    ``/v1/...`` itself. A query string or fragment is rejected.
+
+    Raises :class:`ConfigError` (keys prefixed ``judge.``) for any invalid value.
+    """
 
     base_urls: tuple[str, ...] = ()
     api: Literal["responses", "chat"] = "responses"
@@ -34,9 +110,16 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     endpoint_failure_threshold: int = 3
     endpoint_cooldown_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        _validate_judge(self)
+
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The whole configuration. NeMo Gym ``genrm_compare`` keys first, then ours."""
+    """The whole configuration. NeMo Gym ``genrm_compare`` keys first, then ours.
+
+    Validated on construction (directly or through :func:`load_config`); ``log_level`` is
+    normalised to upper case. Raises :class:`ConfigError` naming the key for any invalid value.
+    """
 
     # NeMo Gym genrm_compare keys (same names, same defaults).
     num_rollouts_per_prompt: int = 1
@@ -78,3 +161,534 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_active_cohorts: int | None = None
     max_active_bytes: int | None = None
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _validate_config(self)
+
+
+_CONFIG_KEYS: frozenset[str] = frozenset(Config.__struct_fields__)
+_JUDGE_KEYS: frozenset[str] = frozenset(JudgeConfig.__struct_fields__)
+# Fields whose value is a free-form mapping: a dotted key reaches inside, a whole value replaces.
+_DICT_KEYS = frozenset({"genrm_responses_create_params"})
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _number(
+    key: str,
+    value: object,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    nullable: bool = False,
+    integer: bool = False,
+) -> None:
+    """Check one numeric value: finite, within bounds; ``None`` only when ``nullable``."""
+    if value is None and nullable:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (integer and not isinstance(value, int))
+    ):
+        want = "an integer" if integer else "a number"
+        raise ConfigError(
+            key, f"expected {want}{' or null' if nullable else ''}, got {_show(value)}"
+        )
+    if not math.isfinite(value):
+        raise ConfigError(key, f"must be finite, got {_show(value)}")
+    if gt is not None and not value > gt:
+        raise ConfigError(key, f"must be > {_fmt(gt)}, got {_show(value)}")
+    if ge is not None and not value >= ge:
+        raise ConfigError(key, f"must be >= {_fmt(ge)}, got {_show(value)}")
+    if le is not None and not value <= le:
+        raise ConfigError(key, f"must be <= {_fmt(le)}, got {_show(value)}")
+
+
+def _fmt(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    if len(text) > _VALUE_REPR_CHARS:
+        text = text[: _VALUE_REPR_CHARS - 3] + "..."
+    return text
+
+
+def _non_empty(key: str, value: object, *, nullable: bool) -> None:
+    if value is None and nullable:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"must be a non-empty string, got {_show(value)}")
+
+
+def _normalise_base_url(key: str, url: object) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(key, f"expected a URL string, got {_show(url)}")
+    text = url.strip()
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 -- raises ValueError for an invalid port
+    except ValueError as exc:
+        raise ConfigError(key, f"not a valid URL {_show(url)}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, f"must be an http:// or https:// URL with a host, got {_show(url)}")
+    if parts.query or parts.fragment:
+        raise ConfigError(key, f"must not have a query or fragment, got {_show(url)}")
+    path = parts.path.removesuffix("/").removesuffix("/v1").removesuffix("/")
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def _validate_judge(judge: JudgeConfig) -> None:
+    if not isinstance(judge.base_urls, tuple):
+        raise ConfigError(
+            "judge.base_urls", f"expected a list of URLs, got {_show(judge.base_urls)}"
+        )
+    urls = tuple(
+        _normalise_base_url(f"judge.base_urls[{i}]", url) for i, url in enumerate(judge.base_urls)
+    )
+    if urls != judge.base_urls:
+        msgspec.structs.force_setattr(judge, "base_urls", urls)
+    if judge.api not in ("responses", "chat"):
+        raise ConfigError("judge.api", f"must be 'responses' or 'chat', got {_show(judge.api)}")
+    if judge.plugin_flavor not in ("trio", "asyncio"):
+        raise ConfigError(
+            "judge.plugin_flavor", f"must be 'trio' or 'asyncio', got {_show(judge.plugin_flavor)}"
+        )
+    _non_empty("judge.api_key_env", judge.api_key_env, nullable=True)
+    if judge.api_key_env is not None and "=" in judge.api_key_env:
+        # A value pasted where the variable's name belongs would leak through /status.
+        raise ConfigError("judge.api_key_env", "must be the name of an environment variable")
+    _non_empty("judge.model", judge.model, nullable=True)
+    if judge.plugin is not None and not (
+        isinstance(judge.plugin, str) and _PLUGIN_PATH.fullmatch(judge.plugin)
+    ):
+        raise ConfigError("judge.plugin", f"must be 'module:function', got {_show(judge.plugin)}")
+    _number(
+        "judge.max_connections_per_client",
+        judge.max_connections_per_client,
+        ge=1,
+        le=_MAX_CONNECTIONS_PER_CLIENT,
+        integer=True,
+    )
+    _number(
+        "judge.endpoint_failure_threshold", judge.endpoint_failure_threshold, ge=1, integer=True
+    )
+    _number("judge.endpoint_cooldown_s", judge.endpoint_cooldown_s, ge=0)
+
+
+def _validate_config(cfg: Config) -> None:
+    _number("num_rollouts_per_prompt", cfg.num_rollouts_per_prompt, ge=1, integer=True)
+    for key in (
+        "cohort_collection_timeout_s",
+        "cohort_evaluation_timeout_s",
+        "judge_request_timeout_s",
+    ):
+        _number(key, getattr(cfg, key), gt=0)
+    _number("cohort_result_ttl_s", cfg.cohort_result_ttl_s, gt=0, nullable=True)
+    _number("max_terminal_cohorts", cfg.max_terminal_cohorts, gt=0, integer=True)
+    _number("genrm_parse_retries", cfg.genrm_parse_retries, ge=0, integer=True)
+    _number("genrm_parse_retry_sleep_s", cfg.genrm_parse_retry_sleep_s, ge=0)
+    if cfg.comparison_strategy not in ("circular", "all_pairs"):
+        raise ConfigError(
+            "comparison_strategy",
+            f"must be 'circular' or 'all_pairs', got {_show(cfg.comparison_strategy)}",
+        )
+    _number("num_judges_per_comparison", cfg.num_judges_per_comparison, ge=1, integer=True)
+    if cfg.aggregator_method != "simple_tiebreaker":
+        raise ConfigError(
+            "aggregator_method", f"must be 'simple_tiebreaker', got {_show(cfg.aggregator_method)}"
+        )
+    for key in ("reasoning_bonus", "answer_bonus", "default_score", "default_ranking"):
+        _number(key, getattr(cfg, key))
+    _number("top_percentile", cfg.top_percentile, gt=0, le=1)
+    for key in (
+        "group_reasoning_length_penalty_coeff",
+        "group_answer_length_penalty_coeff",
+        "group_style_penalty_coeff",
+    ):
+        _number(key, getattr(cfg, key), ge=0)
+    if not isinstance(cfg.genrm_responses_create_params, dict):
+        raise ConfigError(
+            "genrm_responses_create_params",
+            f"expected a mapping, got {_show(cfg.genrm_responses_create_params)}",
+        )
+    _non_empty("host", cfg.host, nullable=False)
+    _number("port", cfg.port, ge=0, le=65535, integer=True)
+    if not isinstance(cfg.judge, JudgeConfig):
+        raise ConfigError("judge", f"expected a JudgeConfig, got {_show(cfg.judge)}")
+    _number("judge_max_concurrency", cfg.judge_max_concurrency, ge=1, integer=True)
+    _number("judge_retry_backoff_max_s", cfg.judge_retry_backoff_max_s, ge=0)
+    if cfg.judge_schedule not in ("wait_for_all", "eager"):
+        raise ConfigError(
+            "judge_schedule", f"must be 'wait_for_all' or 'eager', got {_show(cfg.judge_schedule)}"
+        )
+    _number("max_request_bytes", cfg.max_request_bytes, ge=1, integer=True)
+    _number("shutdown_grace_s", cfg.shutdown_grace_s, gt=0)
+    _non_empty("state_dir", cfg.state_dir, nullable=True)
+    _number("max_active_cohorts", cfg.max_active_cohorts, ge=1, nullable=True, integer=True)
+    _number("max_active_bytes", cfg.max_active_bytes, ge=1, nullable=True, integer=True)
+    level = cfg.log_level.upper() if isinstance(cfg.log_level, str) else cfg.log_level
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {_show(cfg.log_level)}"
+        )
+    if level != cfg.log_level:
+        msgspec.structs.force_setattr(cfg, "log_level", level)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A safe loader that rejects duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    result: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in result:
+            mark = key_node.start_mark
+            raise ConfigError(
+                str(key), f"duplicate key at line {mark.line + 1}, column {mark.column + 1}"
+            )
+        result[key] = loader.construct_object(value_node, deep=True)
+    return result
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _read_yaml_file(path: str | os.PathLike[str]) -> Any:
+    """Read and parse the file. Blocks on file I/O. Raises ConfigError (key ``<file>``)."""
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("<file>", f"cannot read {name}: {_one_line(str(exc))}") from exc
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError("<file>", f"{name}: invalid YAML{where}: {_one_line(problem)}") from exc
+
+
+def _parse_value(text: str) -> Any:
+    """A value from ``--set`` or the environment: YAML if it parses, else the raw string."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 -- a SafeLoader subclass
+    except (yaml.YAMLError, ConfigError):
+        return text
+
+
+# --------------------------------------------------------------------------- file shapes
+
+
+def _iter_nemo_blocks(
+    node: Mapping[Any, Any], path: tuple[str, ...], depth: int
+) -> Iterator[tuple[tuple[str, ...], dict[Any, Any]]]:
+    """Yield ``(path, mapping)`` for every genrm_compare-like ``resources_servers`` entry."""
+    servers = node.get("resources_servers")
+    if isinstance(servers, dict):
+        for name, block in servers.items():
+            if isinstance(block, dict) and (
+                name == "genrm_compare" or _NEMO_MARKER_KEYS.intersection(block)
+            ):
+                yield (*path, "resources_servers", str(name)), block
+    if depth <= 0:
+        return
+    for key, value in node.items():
+        if key != "resources_servers" and isinstance(value, dict):
+            yield from _iter_nemo_blocks(value, (*path, str(key)), depth - 1)
+
+
+def _select_block(doc: dict[Any, Any]) -> tuple[dict[Any, Any], str]:
+    """Find the mapping that holds our keys; also return where it was found, for messages."""
+    allowed = _CONFIG_KEYS | NEMO_IGNORED_KEYS
+    if any(isinstance(k, str) and k in allowed for k in doc):
+        return doc, "the top level"
+    blocks = list(_iter_nemo_blocks(doc, (), _SEARCH_DEPTH))
+    if len(blocks) == 1:
+        path, block = blocks[0]
+        return block, ".".join(path)
+    if len(blocks) > 1:
+        names = ", ".join(".".join(p) for p, _ in blocks)
+        raise ConfigError(
+            ".".join(blocks[1][0]), f"more than one genrm_compare server block ({names}); keep one"
+        )
+    first = next(iter(doc))
+    raise ConfigError(
+        str(first), "unknown key (and no NeMo Gym genrm_compare resources_servers block found)"
+    )
+
+
+def _file_tree(doc: Any) -> dict[str, Any]:
+    """Turn a parsed file into a plain tree of our keys (NeMo-only keys dropped)."""
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError("<file>", f"the top level must be a mapping, got {type(doc).__name__}")
+    if not doc:
+        return {}
+    block, where = _select_block(doc)
+    tree: dict[str, Any] = {}
+    for key, value in block.items():
+        if not isinstance(key, str) or key not in _CONFIG_KEYS | NEMO_IGNORED_KEYS:
+            raise ConfigError(str(key), f"unknown key (in {where})")
+        if key in NEMO_IGNORED_KEYS:
+            continue
+        if key in _NEMO_NULLABLE_KEYS and value is None:
+            continue
+        tree[key] = value
+    return tree
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
+    """Apply one override to ``tree``: a dotted key sets one leaf, a whole value replaces."""
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(key, f"malformed key ({source})")
+    top = parts[0]
+    if top not in _CONFIG_KEYS:
+        raise ConfigError(key, f"unknown key ({source})")
+    if top == "judge":
+        if len(parts) == 1:
+            current = tree.get("judge")
+            if isinstance(value, dict) and isinstance(current, dict):
+                tree["judge"] = {**current, **value}
+            else:
+                tree["judge"] = value
+            return
+        if len(parts) > 2 or parts[1] not in _JUDGE_KEYS:
+            raise ConfigError(key, f"unknown key ({source})")
+        current = tree.get("judge")
+        if current is None:
+            current = {}
+        if not isinstance(current, dict):
+            raise ConfigError("judge", f"expected a mapping, got {_show(current)}")
+        tree["judge"] = {**current, parts[1]: value}
+        return
+    if len(parts) == 1:
+        tree[top] = value
+        return
+    if top not in _DICT_KEYS:
+        raise ConfigError(key, f"unknown key ({top} has no sub-keys; {source})")
+    node = tree.get(top)
+    if node is None:
+        node = dict(_default_judge_params())
+    if not isinstance(node, dict):
+        raise ConfigError(top, f"expected a mapping, got {_show(node)}")
+    node = dict(node)
+    tree[top] = node
+    walked = top
+    for part in parts[1:-1]:
+        walked = f"{walked}.{part}"
+        child = node.get(part)
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(walked, f"expected a mapping to set {key}, got {_show(child)}")
+        node[part] = child = dict(child)
+        node = child
+    node[parts[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """``(dotted key, raw value, source)`` for every ``GENRM_TRIO_*`` variable, sorted by name."""
+    found = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = ".".join(name[len(ENV_PREFIX) :].lower().split("__"))
+        found.append((key, env[name], f"from environment variable {name}"))
+    return found
+
+
+def _parse_override(item: str) -> tuple[str, str, str]:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(key or item, f"expected KEY=VALUE, got --set {_show(item)}")
+    return key, raw, f"from --set {_show(item)}"
+
+
+def format_override(key: str, value: Any) -> str:
+    """Return a ``KEY=VALUE`` string for :func:`load_config`'s ``overrides`` (the CLI's ``--set``).
+
+    ``value`` is written as JSON, which YAML reads back unchanged, so lists of URLs containing
+    commas or brackets survive: ``format_override("judge.base_urls", urls)``. Never blocks.
+    """
+    return f"{key}={msgspec.json.encode(value).decode()}"
+
+
+# --------------------------------------------------------------------------- conversion
+
+_AT_PATH = re.compile(r" - at (.*)$")
+_BACKTICKED = re.compile(r"`([^`]*)`")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _path_to_key(path: str) -> str:
+    return path.removeprefix("$").removeprefix(".")
+
+
+def _lookup(tree: Any, key: str) -> tuple[bool, Any]:
+    """The value at a dotted key with ``[i]`` indexes, if present."""
+    node = tree
+    for part in key.split("."):
+        name, _, rest = part.partition("[")
+        if name:
+            if not isinstance(node, dict) or name not in node:
+                return False, None
+            node = node[name]
+        for index in _INDEX.findall("[" + rest if rest else ""):
+            if not isinstance(node, list | tuple) or int(index) >= len(node):
+                return False, None
+            node = node[int(index)]
+    return True, node
+
+
+def _literal_choices(key: str) -> tuple[Any, ...]:
+    struct: Any = JudgeConfig if key.startswith("judge.") else Config
+    name = key.removeprefix("judge.")
+    for field in msgspec.structs.fields(struct):
+        if field.name == name and get_origin(field.type) is Literal:
+            return get_args(field.type)
+    return ()
+
+
+def _translate(
+    exc: msgspec.ValidationError, tree: dict[str, Any], sources: dict[str, str]
+) -> ConfigError:
+    """Turn msgspec's ``... - at `$.a.b``` message into a ConfigError naming ``a.b``."""
+    message = str(exc)
+    key = ""
+    match = _AT_PATH.search(message)
+    if match:
+        paths = [p for p in _BACKTICKED.findall(match.group(1)) if p.startswith("$")]
+        key = _path_to_key(paths[-1]) if paths else ""
+        message = message[: match.start()]
+    unknown = _UNKNOWN_FIELD.match(message)
+    if unknown:
+        key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        problem = "unknown key"
+    else:
+        problem = message.replace("`", "")
+        problem = problem[:1].lower() + problem[1:]
+        present, value = _lookup(tree, key)
+        if present:
+            problem = f"{problem} {_show(value)}"
+        choices = _literal_choices(key)
+        if choices:
+            problem = f"{problem}; expected one of {', '.join(map(repr, choices))}"
+    source = _source_for(key, sources)
+    if source:
+        problem = f"{problem} ({source})"
+    return ConfigError(key or "<config>", _one_line(problem))
+
+
+def _source_for(key: str, sources: dict[str, str]) -> str:
+    """The override that set ``key`` or its closest parent, if any."""
+    matches = [
+        set_key
+        for set_key in sources
+        if key == set_key or key.startswith((set_key + ".", set_key + "["))
+    ]
+    return sources[max(matches, key=len)] if matches else ""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Build a validated :class:`Config`: defaults < YAML file < environment < ``overrides``.
+
+    ``path``: the YAML file (our flat keys or a NeMo Gym ``genrm_compare`` block; see the module
+    docstring), or ``None`` for defaults only. ``overrides``: ``"KEY=VALUE"`` strings (the CLI's
+    ``--set``, ``--host``, ``--port``, ``--judge-url`` all map onto these), applied in order,
+    ``KEY`` dotted for nested keys (``judge.api``, ``genrm_responses_create_params.top_p``),
+    ``VALUE`` parsed as YAML (``[http://a, http://b]``, ``null``, ``8``); a value that is not
+    valid YAML is taken as a plain string. ``env``: the environment to read ``GENRM_TRIO_*``
+    variables from; ``None`` means ``os.environ``.
+
+    Blocks only to read the file. Raises :class:`ConfigError` (one line naming the dotted key and
+    the problem) for an unreadable or malformed file, an unknown key, a wrong type or a value out
+    of range. The returned Config is frozen and owned by the caller.
+    """
+    tree = _file_tree(_read_yaml_file(path)) if path is not None else {}
+    if tree.get("judge", {}) is None:
+        del tree["judge"]  # `judge:` with every sub-key commented out
+    sources: dict[str, str] = {}
+    layered = [*_env_overrides(os.environ if env is None else env)]
+    layered += [_parse_override(item) for item in overrides]
+    for key, raw, source in layered:
+        _set_dotted(tree, key, _parse_value(raw), source)
+        sources[key] = source
+    params = tree.get("genrm_responses_create_params")
+    if isinstance(params, dict) and "input" in params:
+        tree["genrm_responses_create_params"] = {k: v for k, v in params.items() if k != "input"}
+    try:
+        return msgspec.convert(tree, Config)
+    except msgspec.ValidationError as exc:
+        raise _translate(exc, tree, sources) from exc
+    except ConfigError as exc:
+        source = _source_for(exc.key, sources)
+        if source:
+            raise ConfigError(exc.key, f"{exc.problem} ({source})") from exc
+        raise
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{parts.username}:***@{host}", parts.path, "", ""))
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: "***"
+            if isinstance(k, str) and any(w in k.lower() for w in _SECRET_WORDS)
+            else _redact(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
+def config_summary(cfg: Config) -> dict[str, Any]:
+    """The configuration as plain JSON-able values, for ``GET /status``. Never blocks.
+
+    Holds no secret: ``judge.api_key_env`` is the variable's name (its value is never read
+    here), passwords in ``judge.base_urls`` and values under secret-looking keys (``*key*``,
+    ``*token*``, ``*secret*``, ``*password*``, ``*authorization*``, ``*cookie*``) in
+    ``genrm_responses_create_params`` are replaced by ``"***"``. The dict is new, owned by the
+    caller.
+    """
+    summary: dict[str, Any] = msgspec.to_builtins(cfg)
+    summary["judge"]["base_urls"] = [_redact_url(u) for u in cfg.judge.base_urls]
+    summary["genrm_responses_create_params"] = _redact(summary["genrm_responses_create_params"])
+    return summary
