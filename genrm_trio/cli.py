@@ -1,0 +1,119 @@
+"""The ``genrm-trio`` command line: one entry point, one subcommand per job.
+
+This module holds the only ``trio.run`` calls of the package. Subcommands whose code lives in other
+modules are imported on first use, so ``genrm-trio serve`` starts without loading the collector
+or the benchmark tools.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from genrm_trio.errors import ConfigError
+
+DEFAULT_CONFIG = os.path.join("configs", "default.yaml")
+
+_LAZY_COMMANDS = {
+    "mock-judge": ("genrm_trio.tools.mock", "mock_judge_cli"),
+    "mock-policy": ("genrm_trio.tools.mock_policy", "mock_policy_cli"),
+    "collect": ("genrm_trio.caller.collect", "collect_cli"),
+    "aggregate": ("genrm_trio.caller.aggregate", "aggregate_cli"),
+    "bench": ("genrm_trio.tools.bench", "bench_cli"),
+    "torture": ("genrm_trio.tools.torture", "torture_cli"),
+    "demo": ("genrm_trio.tools.demo", "demo_cli"),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *_LAZY_COMMANDS])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _LAZY_COMMANDS:
+            module_name, attr = _LAZY_COMMANDS[cmd_name]
+            command = getattr(importlib.import_module(module_name), attr)
+            assert isinstance(command, click.Command)
+            return command
+        return super().get_command(ctx, cmd_name)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def load_cli_config(config_path: str | None, sets: Sequence[str], extra: Sequence[str] = ()) -> Any:
+    """Load the server config for a subcommand; exit 2 with one line naming the key on error."""
+    from genrm_trio.config import load_config
+
+    path = config_path
+    if path is None and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
+    try:
+        return load_config(path, [*extra, *sets], os.environ)
+    except ConfigError as exc:
+        click.echo(f"genrm-trio: invalid configuration: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:
+        click.echo(f"genrm-trio: cannot read config file {path!r}: {exc.strerror}", err=True)
+        sys.exit(2)
+
+
+def server_options(func: Any) -> Any:
+    """--host, --port, --config and repeatable --set, as every server-starting command has."""
+    func = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                        help="Override any config key (dotted for nested keys; value is YAML).")(func)
+    func = click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                        help=f"YAML config file (default: {DEFAULT_CONFIG} if present).")(func)
+    func = click.option("--port", type=int, help="Port to bind (0 = any free port).")(func)
+    func = click.option("--host", help="Address to bind (default 127.0.0.1).")(func)
+    return func
+
+
+def host_port_overrides(host: str | None, port: int | None) -> list[str]:
+    out = []
+    if host is not None:
+        out.append(f"host={host}")
+    if port is not None:
+        out.append(f"port={port}")
+    return out
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="genrm-trio")
+def main() -> None:
+    """genrm-trio: a GenRM cohort judging server on Trio, wire-compatible with NeMo Gym's
+    genrm_compare, with its collector, mock judge, benchmarks and torture tests."""
+
+
+@main.command()
+@server_options
+@click.option("--judge-url", "judge_urls", multiple=True, metavar="URL",
+              help="Judge base URL without /v1 (repeatable). None: the built-in judge.")
+def serve(host: str | None, port: int | None, config_path: str | None, sets: tuple[str, ...],
+          judge_urls: tuple[str, ...]) -> None:
+    """Run the /verify and /compare server until SIGINT or SIGTERM."""
+    import trio
+
+    from genrm_trio.server.serve import serve_main
+
+    extra = host_port_overrides(host, port)
+    if judge_urls:
+        extra.append("judge.base_urls=[" + ", ".join(f'"{u}"' for u in judge_urls) + "]")
+    cfg = load_cli_config(config_path, sets, extra)
+    setup_logging(cfg.log_level)
+    trio.run(serve_main, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,565 @@
+"""The cohort state machine and the registry that owns every cohort.
+
+Lifetimes: the registry is created by ``serve`` with the process-long nursery it spawns cohort
+tasks into. Each cohort is one task (:meth:`CohortRegistry._run_cohort`) holding its own cancel
+scope and a nursery for its judge calls; its collection and evaluation deadlines are cancel scopes
+inside that task. A ``/verify`` handler never owns shared work: it registers its member
+synchronously (before any ``await``, so concurrent first arrivals cannot open two cohorts), then
+waits on the cohort's ``done`` event. Cancelling the handler (client gone) removes only its waiter.
+
+Every transition is a compare-and-set on the expected phase, done synchronously between
+checkpoints, so each race (final arrival against a deadline, supersession against publish,
+shutdown against anything) has exactly one winner, and all waiters read that one outcome.
+
+Retention: terminal records live in an insertion-ordered dict (terminal-time order) and are
+pruned from the old end, so bookkeeping is O(1) amortised per request however many are kept.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from genrm_trio import identity, scoring
+from genrm_trio.config import Config
+from genrm_trio.errors import GenRMError, JudgeFailed
+from genrm_trio.server.judge import JudgeRequest
+from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
+
+logger = logging.getLogger(__name__)
+
+OVERLOAD_RETRY_AFTER_S = 1.0
+
+
+class Phase(enum.Enum):
+    COLLECTING = "collecting"
+    EVALUATING = "evaluating"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+ACTIVE_PHASES = (Phase.COLLECTING, Phase.EVALUATING)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An explicit failure handed to a request. ``masked`` failures (judge_failed) are answered
+    with the masked 200 of contract 3.3; the others with ``status`` and a JSON error body."""
+
+    status: int
+    kind: str
+    detail: str
+    masked: bool = False
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rewarded:
+    reward: float
+
+
+Outcome = Rewarded | Failure
+
+
+class PairJudge(Protocol):
+    async def judge_pair(self, request: JudgeRequest) -> scoring.Verdict: ...
+
+
+class _Member:
+    __slots__ = ("digest", "response", "answer")
+
+    def __init__(self, digest: str, response: dict[str, Any], answer: str) -> None:
+        self.digest = digest
+        self.response = response
+        self.answer = answer
+
+
+class Cohort:
+    """One cohort's live state. Owned by the registry; mutated only by registry methods."""
+
+    __slots__ = (
+        "key", "size", "prompt_digest", "group_id", "attempt", "history", "principle",
+        "phase", "members", "digests", "rewards", "failure", "waiters", "size_bytes",
+        "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
+        "pairs_done",
+    )
+
+    def __init__(
+        self, key: identity.CohortKey, size: int, prompt_digest: str, history: list[dict[str, str]],
+        principle: str | None, pairs: list[tuple[int, int, int]], opened_at: float,
+    ) -> None:
+        self.key = key
+        self.size = size
+        self.prompt_digest = prompt_digest
+        self.group_id = key.group_id
+        self.attempt = key.attempt
+        self.history = history
+        self.principle = principle
+        self.phase = Phase.COLLECTING
+        self.members: dict[int, _Member] = {}
+        self.digests: tuple[str, ...] = ()
+        self.rewards: tuple[float, ...] = ()
+        self.failure: Failure | None = None
+        self.waiters = 0
+        self.size_bytes = 0
+        self.opened_at = opened_at
+        self.scope = trio.CancelScope()
+        self.arrival = trio.Event()
+        self.done = trio.Event()
+        self.pairs = pairs
+        self.started_pairs: set[int] = set()
+        self.results: dict[int, scoring.Verdict] = {}
+        self.pairs_done = trio.Event()
+
+    @property
+    def legacy(self) -> bool:
+        return self.group_id is None
+
+
+class _Record:
+    """A terminal record (tombstone): digests and rewards, or the failure. Few objects each."""
+
+    __slots__ = ("expires_at", "digests", "rewards", "failure")
+
+    def __init__(
+        self, expires_at: float, digests: tuple[str, ...], rewards: tuple[float, ...],
+        failure: Failure | None,
+    ) -> None:
+        self.expires_at = expires_at
+        self.digests = digests
+        self.rewards = rewards
+        self.failure = failure
+
+
+class _Watermark:
+    __slots__ = ("attempt", "prompt_digest", "touched_at")
+
+    def __init__(self, attempt: int, prompt_digest: str, touched_at: float) -> None:
+        self.attempt = attempt
+        self.prompt_digest = prompt_digest
+        self.touched_at = touched_at
+
+
+class CohortRegistry:
+    """Owns every cohort of the process: admission, fencing, replay, retention, shutdown.
+
+    ``nursery`` is the process-long nursery cohort tasks are spawned into; the registry never
+    outlives it. ``judge`` judges one pair with its retry budget (server/judge.py).
+    """
+
+    def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery) -> None:
+        self._cfg = cfg
+        self._judge = judge
+        self._nursery = nursery
+        self._active: dict[identity.CohortKey, Cohort] = {}
+        self._active_by_group: dict[str, dict[int, Cohort]] = {}
+        self._active_bytes = 0
+        self._records: OrderedDict[identity.CohortKey, _Record] = OrderedDict()
+        self._watermarks: OrderedDict[str, _Watermark] = OrderedDict()
+        self._waiters = 0
+        self._shutting_down = False
+        self._warned_missing_attempt = False
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    async def verify(self, member: VerifyMember) -> Outcome:
+        """Admit one member and wait for its cohort's outcome.
+
+        Registration is synchronous. Blocks until the cohort completes or fails (never longer than
+        its deadlines). Cancellation (the client went away) removes only this waiter: the member
+        stays and the cohort goes on. Returns the member's reward or an explicit failure; never
+        raises for a documented condition.
+        """
+        admitted = self._admit(member)
+        if not isinstance(admitted, Cohort):
+            self.counters[_outcome_label(admitted)] += 1
+            return admitted
+        cohort = admitted
+        slot = member.fields.rollout_index or 0
+        cohort.waiters += 1
+        self._waiters += 1
+        try:
+            await cohort.done.wait()
+        finally:
+            cohort.waiters -= 1
+            self._waiters -= 1
+        outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot])
+        self.counters[_outcome_label(outcome)] += 1
+        return outcome
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and fail every active cohort with ``shutdown`` (each waiter gets
+        its 503). Synchronous and idempotent."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        failure = Failure(503, "shutdown", "the server is shutting down")
+        for cohort in list(self._active.values()):
+            self._fail(cohort, failure)
+        logger.info("shutdown: all active cohorts failed, new requests refused")
+
+    def snapshot(self) -> dict[str, int]:
+        """Counts for leak checks and /status: active cohorts by phase, waiters, records."""
+        collecting = sum(1 for c in self._active.values() if c.phase is Phase.COLLECTING)
+        return {
+            "active_cohorts": len(self._active),
+            "collecting": collecting,
+            "evaluating": len(self._active) - collecting,
+            "waiters": self._waiters,
+            "retained_records": len(self._records),
+            "watermarks": len(self._watermarks),
+            "active_bytes": self._active_bytes,
+        }
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, member: VerifyMember) -> Outcome | Cohort:
+        cfg = self._cfg
+        now = trio.current_time()
+        self._prune(now)
+        if self._shutting_down:
+            return Failure(503, "shutdown", "the server is shutting down")
+        fields = member.fields
+        prompt_input = fields.responses_create_params.get("input")
+        prompt_digest = identity.prompt_digest(prompt_input, fields.principle)
+        group_id = fields.group_id
+        attempt = member.attempt
+        if group_id is not None:
+            if not member.attempt_given and not self._warned_missing_attempt:
+                self._warned_missing_attempt = True
+                logger.warning(
+                    "a request with _ng_group_id has no _ng_group_attempt: treated as attempt 0 "
+                    "(logged once per process)"
+                )
+            key = identity.explicit_key(group_id, attempt)
+            watermark = self._watermarks.get(group_id)
+            if watermark is not None:
+                if attempt < watermark.attempt:
+                    return Failure(
+                        409, "stale_attempt",
+                        f"group {_short(group_id)!r}: attempt {attempt} is older than the newest "
+                        f"attempt seen ({watermark.attempt})",
+                    )
+                if prompt_digest != watermark.prompt_digest:
+                    return Failure(
+                        409, "prompt_mismatch",
+                        f"group {_short(group_id)!r}: prompt or principle differs from the "
+                        f"group's newest attempt ({watermark.attempt})",
+                    )
+        else:
+            key = identity.legacy_key(fields.task_index, fields.prompt_id, prompt_digest, attempt)
+            watermark = None
+
+        slot = fields.rollout_index or 0
+        digest = identity.response_digest(fields.response)
+
+        record = self._records.get(key)
+        if record is not None:
+            if record.failure is not None:
+                return record.failure
+            if record.digests[slot] != digest:
+                return _conflict(key, slot, "the completed cohort")
+            return Rewarded(record.rewards[slot])
+
+        cohort = self._active.get(key)
+        if cohort is not None:
+            if cohort.prompt_digest != prompt_digest:
+                return Failure(
+                    409, "prompt_mismatch",
+                    f"{identity.describe(key)}: prompt or principle differs from the cohort's",
+                )
+            existing = cohort.members.get(slot)
+            if existing is not None:
+                if existing.digest != digest:
+                    return _conflict(key, slot, f"the {cohort.phase.value} cohort")
+                return cohort
+            self._add_member(cohort, slot, digest, member)
+            return cohort
+
+        # A new cohort. Admission control first: a refusal changes no state.
+        if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
+            return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
+        if cfg.max_active_bytes is not None and self._active_bytes >= cfg.max_active_bytes:
+            return _overloaded(f"max_active_bytes ({cfg.max_active_bytes}) reached")
+        if group_id is not None:
+            self._advance_watermark(group_id, attempt, prompt_digest, now, watermark)
+        cohort = self._open(key, prompt_input, fields.principle, prompt_digest, now)
+        self._add_member(cohort, slot, digest, member)
+        return cohort
+
+    def _advance_watermark(
+        self, group_id: str, attempt: int, prompt_digest: str, now: float,
+        watermark: _Watermark | None,
+    ) -> None:
+        if watermark is None:
+            self._watermarks[group_id] = _Watermark(attempt, prompt_digest, now)
+            return
+        watermark.touched_at = now
+        self._watermarks.move_to_end(group_id)
+        if attempt > watermark.attempt:
+            watermark.attempt = attempt
+            older = self._active_by_group.get(group_id, {})
+            for old in [c for a, c in older.items() if a < attempt]:
+                self._fail(old, Failure(
+                    503, "superseded",
+                    f"group {_short(group_id)!r}: attempt {old.attempt} was superseded by "
+                    f"attempt {attempt}",
+                ))
+
+    def _open(
+        self, key: identity.CohortKey, prompt_input: Any, principle: str | None,
+        prompt_digest: str, now: float,
+    ) -> Cohort:
+        cfg = self._cfg
+        judge_principle = (principle or cfg.default_principle) if cfg.use_principle else None
+        cohort = Cohort(
+            key, cfg.num_rollouts_per_prompt, prompt_digest,
+            scoring.conversation_history(prompt_input), judge_principle,
+            scoring.comparison_pairs(
+                cfg.num_rollouts_per_prompt, cfg.comparison_strategy,
+                cfg.num_judges_per_comparison,
+            ),
+            now,
+        )
+        self._active[key] = cohort
+        if key.group_id is not None:
+            self._active_by_group.setdefault(key.group_id, {})[key.attempt] = cohort
+        self.counters["cohorts_opened"] += 1
+        self._nursery.start_soon(self._run_cohort, cohort)
+        return cohort
+
+    def _add_member(self, cohort: Cohort, slot: int, digest: str, member: VerifyMember) -> None:
+        response = member.fields.response
+        cohort.members[slot] = _Member(digest, response, scoring.final_answer(response))
+        cohort.size_bytes += member.size_bytes
+        self._active_bytes += member.size_bytes
+        cohort.arrival.set()
+        if len(cohort.members) == cohort.size and cohort.phase is Phase.COLLECTING:
+            cohort.phase = Phase.EVALUATING
+
+    # ------------------------------------------------------------------ the cohort task
+
+    async def _run_cohort(self, cohort: Cohort) -> None:
+        """The cohort's own task: collection deadline, then judging under the evaluation deadline.
+        Whatever ends it, the cohort is terminal when it returns."""
+        cfg = self._cfg
+        eager = cfg.judge_schedule == "eager"
+        try:
+            with cohort.scope:
+                async with trio.open_nursery() as pair_nursery:
+                    with trio.move_on_after(cfg.cohort_collection_timeout_s):
+                        while cohort.phase is Phase.COLLECTING:
+                            if eager:
+                                self._start_ready_pairs(cohort, pair_nursery)
+                            cohort.arrival = trio.Event()
+                            await cohort.arrival.wait()
+                    if cohort.phase is Phase.COLLECTING:
+                        self._fail(cohort, self._incomplete(cohort))
+                        return
+                    if cohort.phase is not Phase.EVALUATING:
+                        return
+                    with trio.move_on_after(cfg.cohort_evaluation_timeout_s):
+                        self._start_ready_pairs(cohort, pair_nursery)
+                        await cohort.pairs_done.wait()
+                    if cohort.phase is Phase.EVALUATING:
+                        if cohort.pairs_done.is_set():
+                            self._publish(cohort)
+                        else:
+                            self._fail(cohort, self._judge_failure(
+                                cohort,
+                                f"evaluation deadline of {cfg.cohort_evaluation_timeout_s:g} s "
+                                f"exceeded with {len(cohort.results)} of {len(cohort.pairs)} "
+                                "comparisons done",
+                            ))
+        finally:
+            if cohort.phase in ACTIVE_PHASES:
+                # Cancelled from above (the registry's nursery is going away).
+                kind = "shutdown" if self._shutting_down else "cancelled"
+                self._fail(cohort, Failure(503, kind, f"evaluation was cancelled ({kind})"))
+
+    def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        for index, (i, j, _judge_idx) in enumerate(cohort.pairs):
+            if index in cohort.started_pairs:
+                continue
+            if i in cohort.members and j in cohort.members:
+                cohort.started_pairs.add(index)
+                nursery.start_soon(self._judge_one, cohort, index)
+
+    async def _judge_one(self, cohort: Cohort, index: int) -> None:
+        i, j, _judge_idx = cohort.pairs[index]
+        request = JudgeRequest(
+            history=cohort.history,
+            response_1=cohort.members[i].answer,
+            response_2=cohort.members[j].answer,
+            principle=cohort.principle,
+        )
+        try:
+            verdict = await self._judge.judge_pair(request)
+        except JudgeFailed as exc:
+            self._fail(cohort, self._judge_failure(cohort, str(exc)))
+            return
+        except Exception as exc:  # task boundary: any other error fails this cohort only
+            logger.exception("%s: judge task crashed", identity.describe(cohort.key))
+            self._fail(cohort, self._failure(
+                cohort, 503, "evaluation_error", f"judging failed: {type(exc).__name__}: {exc}"))
+            return
+        if cohort.phase in ACTIVE_PHASES:
+            cohort.results[index] = verdict
+            if len(cohort.results) == len(cohort.pairs):
+                cohort.pairs_done.set()
+
+    def _publish(self, cohort: Cohort) -> None:
+        comparisons = [
+            scoring.Comparison(
+                response_i=i, response_j=j, judge_idx=k, score_1=v.score_1, score_2=v.score_2,
+                ranking=v.ranking,
+            )
+            for index, (i, j, k) in enumerate(cohort.pairs)
+            for v in (cohort.results[index],)
+        ]
+        responses = [cohort.members[slot].response for slot in range(cohort.size)]
+        try:
+            rewards, _metrics = scoring.aggregate(comparisons, responses, self._cfg)
+            if len(rewards) != cohort.size or not all(math.isfinite(r) for r in rewards):
+                raise GenRMError(f"aggregation gave {rewards!r} for {cohort.size} rollouts")
+        except GenRMError as exc:
+            self._fail(cohort, self._failure(
+                cohort, 503, "evaluation_error", f"reward aggregation failed: {exc}"))
+            return
+        if cohort.phase is not Phase.EVALUATING:  # compare-and-set
+            return
+        cohort.phase = Phase.COMPLETED
+        cohort.rewards = tuple(float(r) for r in rewards)
+        cohort.digests = tuple(cohort.members[s].digest for s in range(cohort.size))
+        self._retire(cohort)
+        self.counters["cohorts_completed"] += 1
+        logger.info(
+            "%s completed: rewards %s", identity.describe(cohort.key),
+            [round(r, 4) for r in cohort.rewards],
+        )
+        cohort.done.set()
+
+    # ------------------------------------------------------------------ failure & retention
+
+    def _fail(self, cohort: Cohort, failure: Failure) -> bool:
+        """Compare-and-set to FAILED; releases every waiter with ``failure`` and cancels the
+        cohort's pending work. Returns False if the cohort was already terminal."""
+        if cohort.phase not in ACTIVE_PHASES:
+            return False
+        cohort.phase = Phase.FAILED
+        cohort.failure = failure
+        self._retire(cohort)
+        self.counters[f"cohorts_failed_{failure.kind}"] += 1
+        logger.info(
+            "%s failed (%s): %s", identity.describe(cohort.key), failure.kind,
+            bound_text(failure.detail, 300),
+        )
+        cohort.done.set()
+        cohort.scope.cancel()
+        return True
+
+    def _retire(self, cohort: Cohort) -> None:
+        """Move a cohort that just became terminal out of the active set, keep its record."""
+        key = cohort.key
+        del self._active[key]
+        self._active_bytes -= cohort.size_bytes
+        if key.group_id is not None:
+            by_attempt = self._active_by_group[key.group_id]
+            del by_attempt[key.attempt]
+            if not by_attempt:
+                del self._active_by_group[key.group_id]
+        cohort.members = {}
+        cohort.results = {}
+        failure = cohort.failure
+        keep = (failure is not None and failure.kind != "shutdown") or (
+            failure is None and key.group_id is not None
+        )
+        if keep:
+            ttl = self._cfg.cohort_result_ttl_s
+            expires_at = math.inf if ttl is None else trio.current_time() + ttl
+            self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure)
+            self._records.move_to_end(key)
+            self._prune(trio.current_time())
+
+    def _prune(self, now: float) -> None:
+        cap = self._cfg.max_terminal_cohorts
+        records = self._records
+        while records:
+            key, record = next(iter(records.items()))
+            if len(records) > cap or record.expires_at <= now:
+                del records[key]
+            else:
+                break
+        ttl = self._cfg.cohort_result_ttl_s
+        watermarks = self._watermarks
+        budget = len(self._active_by_group) + 1
+        while watermarks and budget > 0:
+            group_id, mark = next(iter(watermarks.items()))
+            expired = ttl is not None and mark.touched_at + ttl <= now
+            if not (len(watermarks) > cap or expired):
+                break
+            if group_id in self._active_by_group:
+                mark.touched_at = now
+                watermarks.move_to_end(group_id)
+                budget -= 1
+            else:
+                del watermarks[group_id]
+
+    # ------------------------------------------------------------------ failure texts
+
+    def _failure(self, cohort: Cohort, status: int, kind: str, detail: str,
+                 masked: bool = False) -> Failure:
+        text = f"{identity.describe(cohort.key)}: {detail}"
+        if cohort.legacy:
+            text += LEGACY_GUIDANCE
+        return Failure(status, kind, text, masked=masked)
+
+    def _judge_failure(self, cohort: Cohort, detail: str) -> Failure:
+        # The guidance must survive the 2000-character cut, so cut the judge text first.
+        room = 2000 - len(LEGACY_GUIDANCE) - 200 if cohort.legacy else 1800
+        return self._failure(cohort, 200, "judge_failed", bound_text(detail, room), masked=True)
+
+    def _incomplete(self, cohort: Cohort) -> Failure:
+        missing = [s for s in range(cohort.size) if s not in cohort.members]
+        shown = ", ".join(str(s) for s in missing[:32]) + (", ..." if len(missing) > 32 else "")
+        return self._failure(
+            cohort, 503, "cohort_incomplete",
+            f"collection deadline of {self._cfg.cohort_collection_timeout_s:g} s passed with "
+            f"{len(cohort.members)} of {cohort.size} rollouts (missing slots: {shown}); "
+            "no reward is computed from an incomplete cohort",
+        )
+
+
+def _conflict(key: identity.CohortKey, slot: int, where: str) -> Failure:
+    return Failure(
+        409, "conflict",
+        f"{identity.describe(key)}: slot {slot} of {where} already holds a different response",
+    )
+
+
+def _overloaded(why: str) -> Failure:
+    return Failure(
+        429, "overloaded", f"server overloaded: {why}; retry later",
+        retry_after_s=OVERLOAD_RETRY_AFTER_S,
+    )
+
+
+def _outcome_label(outcome: Outcome) -> str:
+    if isinstance(outcome, Rewarded):
+        return "verify_rewarded"
+    return "verify_masked" if outcome.masked else f"verify_{outcome.kind}"
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

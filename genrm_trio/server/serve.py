@@ -1,0 +1,114 @@
+"""The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
+
+Ownership: :func:`run_server` opens the judge (its HTTP clients), then the root nursery that owns
+every cohort task and Hypercorn. Shutdown is one cancellation from the top: the shutdown event
+fails every active cohort with ``shutdown`` (each waiter answers its 503), Hypercorn stops
+accepting and gives open connections ``shutdown_grace_s`` to finish, then the root nursery is
+cancelled. :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's programmatic ``serve`` installs no
+signal handlers).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+from functools import partial
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from genrm_trio.config import Config
+from genrm_trio.server.app import create_app
+from genrm_trio.server.cohort import CohortRegistry
+from genrm_trio.server.judge import open_judge
+
+logger = logging.getLogger(__name__)
+
+
+def _hypercorn_config(cfg: Config) -> HypercornConfig:
+    hconfig = HypercornConfig()
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    hconfig.bind = [f"{host}:{cfg.port}"]
+    hconfig.graceful_timeout = cfg.shutdown_grace_s
+    hconfig.accesslog = None
+    hconfig.errorlog = logging.getLogger("hypercorn.error")
+    hconfig.backlog = 2048
+    hconfig.keep_alive_timeout = 75
+    return hconfig
+
+
+async def run_server(
+    cfg: Config,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``cfg`` until ``shutdown`` is set (graceful) or this task is cancelled (abrupt).
+
+    Reports the bound base URL (``http://127.0.0.1:PORT``, so port 0 works) through
+    ``task_status``. Graceful shutdown answers every waiter with a 503 ``shutdown`` JSON body
+    before connections close, then returns.
+    """
+    stop = shutdown if shutdown is not None else trio.Event()
+    async with open_judge(cfg) as judge, trio.open_nursery() as root:
+        registry = CohortRegistry(cfg, judge, root)
+        app = create_app(cfg, registry, judge)
+
+        @app.after_serving
+        async def _lifespan_end() -> None:
+            registry.begin_shutdown()
+
+        async def shutdown_trigger() -> None:
+            await stop.wait()
+            registry.begin_shutdown()
+
+        async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                app, _hypercorn_config(cfg), shutdown_trigger=shutdown_trigger,
+                task_status=task_status,
+            )
+            registry.begin_shutdown()
+            root.cancel_scope.cancel()
+
+        binds: list[str] = await root.start(hypercorn_task)
+        url = binds[0]
+        logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
+                    cfg.num_rollouts_per_prompt)
+        task_status.started(url)
+
+
+async def serve_main(cfg: Config) -> None:
+    """``genrm-trio serve``: run until SIGINT/SIGTERM, then shut down gracefully within
+    ``shutdown_grace_s`` (a second signal cancels at once). Prints one ``listening on`` line
+    once bound."""
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as server:
+
+                async def watch_signals() -> None:
+                    async for signum in signals:
+                        if stop.is_set():
+                            server.cancel_scope.cancel()
+                            continue
+                        logger.info("%s received: shutting down", signal.Signals(signum).name)
+                        stop.set()
+                        # Hypercorn's grace bounds the drain; this is the backstop.
+                        server.cancel_scope.deadline = (
+                            trio.current_time() + cfg.shutdown_grace_s + 1.0
+                        )
+
+                outer.start_soon(watch_signals)
+                url = await server.start(partial(run_server, cfg, shutdown=stop))
+                print(f"genrm-trio serve listening on {url}", flush=True)
+                # What exists now lives as long as the process: keep it out of the
+                # collector's full passes so they stay short under load.
+                gc.collect()
+                gc.freeze()
+            outer.cancel_scope.cancel()
+    logger.info("stopped")
+
+
+__all__ = ["run_server", "serve_main"]
