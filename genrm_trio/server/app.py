@@ -128,6 +128,13 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio
             "config": config_summary(cfg),
         })
 
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        await request.get_data()
+        from genrm_trio.server.openapi import build_openapi
+
+        return json_response(build_openapi())
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         await request.get_data()
