@@ -1,0 +1,860 @@
+"""The judge client: protocols, retry budget, deadlines, endpoints, limiter, plugins.
+
+All HTTP goes through ``httpx2.MockTransport``; all time is trio's autojump clock, so every
+elapsed time below is virtual and asserted exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from genrm_trio import scoring
+from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.errors import ConfigError, JudgeFailed
+from genrm_trio.server.judge import (
+    Judge,
+    JudgeRequest,
+    chat_body,
+    open_judge,
+    parse_retry_after,
+    responses_body,
+)
+
+VERDICT_TEXT = 'thinking...\n```json\n{"score_1": 4, "score_2": 2, "ranking": 2}\n```'
+VERDICT = scoring.Verdict(4.0, 2.0, 2.0)
+DEFAULT_VERDICT = scoring.Verdict(3.0, 3.0, 3.5)
+URL_A = "http://judge-a.test"
+URL_B = "http://judge-b.test"
+HISTORY = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "2+2?"}]
+REQUEST = JudgeRequest(history=HISTORY, response_1="4", response_2="five", principle=None)
+
+Handler = Callable[[httpx2.Request], Coroutine[None, None, httpx2.Response]]
+
+
+class MaxRng(random.Random):
+    """Full jitter always drawing its upper bound, so backoff times are exact."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def make_cfg(judge: dict[str, Any] | None = None, **top: Any) -> Config:
+    judge_kw: dict[str, Any] = {"base_urls": (URL_A,)}
+    judge_kw.update(judge or {})
+    return Config(judge=JudgeConfig(**judge_kw), **top)
+
+
+def responses_ok(text: str = VERDICT_TEXT, status: str | None = "completed") -> httpx2.Response:
+    body: dict[str, Any] = {
+        "id": "resp_1",
+        "object": "response",
+        "output": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hmm"}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text[:5]}]
+                + [{"type": "output_text", "text": text[5:]}],
+            },
+        ],
+    }
+    if status is not None:
+        body["status"] = status
+    return httpx2.Response(200, json=body)
+
+
+def chat_ok(text: str = VERDICT_TEXT) -> httpx2.Response:
+    return httpx2.Response(
+        200, json={"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+    )
+
+
+class Script:
+    """A mock judge playing a list of steps, one per call, recording what it was sent."""
+
+    def __init__(self, *steps: Any) -> None:
+        self.steps = list(steps)
+        self.requests: list[httpx2.Request] = []
+        self.times: list[float] = []
+
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        self.requests.append(request)
+        self.times.append(trio.current_time())
+        step = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
+        if isinstance(step, Exception):
+            raise step
+        if callable(step):
+            result: httpx2.Response = await step(request)
+            return result
+        assert isinstance(step, httpx2.Response)
+        # A Response object can only be read once; hand out a fresh copy every call.
+        return httpx2.Response(step.status_code, headers=step.headers, content=step.content)
+
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
+
+    def json(self, i: int = 0) -> Any:
+        return json.loads(self.requests[i].content)
+
+
+class CloseCounting(httpx2.MockTransport):
+    def __init__(self, handler: Handler) -> None:
+        super().__init__(handler)
+        self.closed = 0
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+class BrokenStream(httpx2.AsyncByteStream):
+    """A body that delivers a first chunk, then the connection breaks."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'{"status": "compl'
+        raise httpx2.ReadError("connection reset by peer")
+
+
+class TricklingStream(httpx2.AsyncByteStream):
+    """A body that never ends: one byte a second (each read is fast, the whole is endless)."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b"{"
+        while True:
+            await trio.sleep(1.0)
+            yield b" "
+
+
+async def hang(request: httpx2.Request) -> httpx2.Response:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def broken_body(request: httpx2.Request) -> httpx2.Response:
+    return httpx2.Response(200, stream=BrokenStream())
+
+
+async def trickling_body(request: httpx2.Request) -> httpx2.Response:
+    return httpx2.Response(200, stream=TricklingStream())
+
+
+def transport(handler: Handler) -> httpx2.MockTransport:
+    return httpx2.MockTransport(handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Retry budget
+
+
+TRANSIENT_STEPS = {
+    "connect_error": httpx2.ConnectError("connection refused"),
+    "truncated_body": httpx2.RemoteProtocolError("peer closed connection mid-body"),
+    "interrupted_body": broken_body,
+    "http_408": httpx2.Response(408),
+    "http_429": httpx2.Response(429),
+    "http_500": httpx2.Response(500),
+    "http_502": httpx2.Response(502),
+    "http_503": httpx2.Response(503),
+    "http_504": httpx2.Response(504),
+    "status_incomplete": responses_ok(status="incomplete"),
+    "blank_answer": responses_ok(text="   "),
+    "not_json": httpx2.Response(200, content=b"<html>oops</html>"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TRANSIENT_STEPS))
+async def test_transient_failure_is_retried_then_succeeds(
+    kind: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    script = Script(TRANSIENT_STEPS[kind], TRANSIENT_STEPS[kind], responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        start = trio.current_time()
+        verdict = await judge.judge_pair(REQUEST)
+        elapsed = trio.current_time() - start
+    assert verdict == VERDICT
+    assert script.calls == 3
+    assert judge.stats.calls == 3
+    assert judge.stats.retries == 2
+    assert judge.stats.transient_errors == 2
+    # Backoff 0.2 then 0.4 (full jitter at its upper bound).
+    assert elapsed == pytest.approx(0.6, abs=1e-9)
+    assert script.times == pytest.approx([start, start + 0.2, start + 0.6], abs=1e-9)
+
+
+async def test_budget_exhausted_fails_with_last_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(httpx2.Response(503))
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == pytest.approx(0.2 + 0.4 + 0.8, abs=1e-9)
+    assert str(info.value) == (
+        "no completed answer after 4 attempts: judge http://judge-a.test/v1/responses: HTTP 503"
+    )
+    assert script.calls == 4 == judge.stats.calls
+    assert judge.stats.retries == 3
+    assert judge.stats.failures_by_reason == {"http_503": 4}
+    assert judge.stats.comparisons_failed == 1
+
+
+async def test_budget_follows_genrm_parse_retries(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.ConnectError("refused"))
+    cfg = make_cfg(genrm_parse_retries=0)
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed, match="after 1 attempts: .*ConnectError: refused"):
+            await judge.judge_pair(REQUEST)
+    assert script.calls == 1
+
+
+@pytest.mark.parametrize("code", [400, 401, 403, 404, 422])
+async def test_other_4xx_is_not_retried(code: int, autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.Response(code, text="model 'x' not found"), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == 0.0
+    assert script.calls == 1
+    assert str(info.value).startswith(f"judge http://judge-a.test/v1/responses: HTTP {code}")
+    assert "model 'x' not found" in str(info.value)
+
+
+async def test_unparseable_answers_give_default_verdict(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(responses_ok(text="I like the first one."))
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        verdict = await judge.judge_pair(REQUEST)
+    assert verdict == DEFAULT_VERDICT
+    assert script.calls == 4
+    assert judge.stats.parse_failures == 4
+    assert judge.stats.defaulted_comparisons == 1
+    assert judge.stats.comparisons_failed == 0
+
+
+async def test_one_usable_answer_among_failures_gives_default_verdict(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(
+        httpx2.Response(503),
+        responses_ok(text="no json here"),
+        responses_ok(status="failed"),
+        httpx2.ConnectError("refused"),
+    )
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        assert await judge.judge_pair(REQUEST) == DEFAULT_VERDICT
+    assert script.calls == 4
+
+
+async def test_unusable_answers_only_fail(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(responses_ok(status="incomplete"), responses_ok(text=""))
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed, match="no completed answer after 4 attempts: .*blank"):
+            await judge.judge_pair(REQUEST)
+    assert script.calls == 4
+    assert judge.stats.unusable_answers == 4
+
+
+async def test_parse_failure_then_success(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(responses_ok(text="{broken"), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    assert script.calls == 2
+    assert judge.stats.parse_failures == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Backoff and Retry-After
+
+
+async def test_retry_after_seconds_is_honoured(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.Response(429, headers={"Retry-After": "7"}), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    assert script.times == [0.0, 7.0]
+
+
+async def test_retry_after_below_backoff_does_not_shorten_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(httpx2.Response(503, headers={"Retry-After": "0"}), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        await judge.judge_pair(REQUEST)
+    assert script.times == pytest.approx([0.0, 0.2], abs=1e-9)
+
+
+def test_parse_retry_after_forms() -> None:
+    now = 1_700_000_000.0  # Tue, 14 Nov 2023 22:13:20 GMT
+    assert parse_retry_after("12", now) == 12.0
+    assert parse_retry_after(" 1.5 ", now) == 1.5
+    assert parse_retry_after("Tue, 14 Nov 2023 22:13:50 GMT", now) == 30.0
+    assert parse_retry_after("Tue, 14 Nov 2023 22:00:00 GMT", now) == 0.0  # in the past
+    assert parse_retry_after(None, now) is None
+    assert parse_retry_after("soon", now) is None
+    assert parse_retry_after("-3", now) is None
+    assert parse_retry_after("nan", now) is None
+
+
+async def test_backoff_is_capped(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.Response(500))
+    cfg = make_cfg(
+        genrm_parse_retries=5, genrm_parse_retry_sleep_s=1.0, judge_retry_backoff_max_s=1.5
+    )
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed):
+            await judge.judge_pair(REQUEST)
+    gaps = [b - a for a, b in zip(script.times, script.times[1:], strict=False)]
+    assert gaps == [1.0, 1.5, 1.5, 1.5, 1.5]
+
+
+async def test_backoff_is_jittered_within_bounds(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.Response(500))
+    cfg = make_cfg(
+        genrm_parse_retries=6, genrm_parse_retry_sleep_s=1.0, judge_retry_backoff_max_s=4.0
+    )
+    async with open_judge(cfg, transport=transport(script), rng=random.Random(7)) as judge:
+        with pytest.raises(JudgeFailed):
+            await judge.judge_pair(REQUEST)
+    gaps = [b - a for a, b in zip(script.times, script.times[1:], strict=False)]
+    bounds = [1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert all(0.0 <= g <= b for g, b in zip(gaps, bounds, strict=True))
+    assert len(set(gaps)) == len(gaps)  # jittered, not a fixed ladder
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadlines and cancellation
+
+
+@pytest.mark.parametrize("handler", [hang, trickling_body], ids=["hang", "trickle"])
+async def test_per_request_deadline_fails_at_once(
+    handler: Handler, autojump_clock: trio.testing.MockClock
+) -> None:
+    script = Script(handler)
+    cfg = make_cfg(judge_request_timeout_s=2.0)
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == 2.0
+        assert judge.status()["endpoints"][0]["in_flight"] == 0
+    assert str(info.value) == "judge request timed out after 2.0 s"
+    assert script.calls == 1
+    assert judge.stats.failures_by_reason == {"timeout": 1}
+
+
+async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.MockClock) -> None:
+    aborted: list[float] = []
+
+    async def slow(request: httpx2.Request) -> httpx2.Response:
+        try:
+            await trio.sleep_forever()
+        finally:
+            aborted.append(trio.current_time())
+        raise AssertionError("unreachable")
+
+    script = Script(slow)
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with trio.move_on_after(0.5) as scope:
+            await judge.judge_pair(REQUEST)
+        assert scope.cancelled_caught
+        assert aborted == [0.5]
+        status = judge.status()
+    assert status["endpoints"][0] == {
+        "url": "http://judge-a.test/v1/responses",
+        "in_flight": 0,
+        "consecutive_failures": 0,
+        "cooling_down": False,
+        "clients": 1,
+    }
+    assert status["limiter"] == {"in_use": 0, "total": 1024}
+
+
+async def test_outer_cancel_cuts_backoff(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.Response(429, headers={"Retry-After": "100"}), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with trio.move_on_after(3.0):
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == 3.0
+    assert script.calls == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+@pytest.mark.parametrize("use_principle", [False, True])
+async def test_responses_request_body(
+    use_principle: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    script = Script(responses_ok())
+    cfg = make_cfg({"model": "genrm-7b"}, use_principle=use_principle)
+    request = JudgeRequest(HISTORY, "4", "five", principle="Be correct.")
+    async with open_judge(cfg, transport=transport(script)) as judge:
+        await judge.judge_pair(request)
+    sent = script.requests[0]
+    assert sent.method == "POST"
+    assert str(sent.url) == "http://judge-a.test/v1/responses"
+    assert sent.headers["content-type"] == "application/json"
+    assert "authorization" not in sent.headers
+    expected: dict[str, Any] = {
+        "max_output_tokens": 16384,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "model": "genrm-7b",
+        "input": [
+            {"role": "system", "content": "be nice", "type": "message"},
+            {"role": "user", "content": "2+2?", "type": "message"},
+        ],
+        "metadata": {"response_1": "4", "response_2": "five"},
+    }
+    if use_principle:
+        expected["metadata"]["principle"] = "Be correct."
+    assert script.json() == expected
+
+
+async def test_principle_defaults_when_request_has_none() -> None:
+    cfg = make_cfg(use_principle=True)
+    body = responses_body(cfg, {}, REQUEST)
+    assert body["metadata"]["principle"] == cfg.default_principle
+    assert "principle" not in responses_body(make_cfg(), {}, REQUEST)["metadata"]
+
+
+@pytest.mark.parametrize("use_principle", [False, True])
+async def test_chat_request_body(
+    use_principle: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    script = Script(chat_ok())
+    cfg = make_cfg(
+        {"api": "chat", "base_urls": ("http://vllm.test/",)}, use_principle=use_principle
+    )
+    request = JudgeRequest(HISTORY, "4", "five", principle="Be correct.")
+    async with open_judge(cfg, transport=transport(script)) as judge:
+        assert await judge.judge_pair(request) == VERDICT
+    assert str(script.requests[0].url) == "http://vllm.test/v1/chat/completions"
+    principle = [{"role": "principle", "content": "Be correct."}] if use_principle else []
+    assert script.json() == {
+        "max_tokens": 16384,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "messages": [
+            {"role": "system", "content": "be nice"},
+            {"role": "user", "content": "2+2?"},
+            *principle,
+            {"role": "response_1", "content": "4"},
+            {"role": "response_2", "content": "five"},
+        ],
+    }
+
+
+async def test_chat_unusable_answers(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(
+        httpx2.Response(200, json={"choices": []}),
+        httpx2.Response(200, json={"choices": [{"message": {"content": None}}]}),
+        chat_ok(),
+    )
+    cfg = make_cfg({"api": "chat"})
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    assert judge.stats.unusable_answers == 2
+
+
+def test_chat_body_passes_other_params_through() -> None:
+    cfg = make_cfg({"api": "chat"}, genrm_responses_create_params={"temperature": 0.0, "seed": 3})
+    assert chat_body(cfg, cfg.genrm_responses_create_params, REQUEST) == {
+        "temperature": 0.0,
+        "seed": 3,
+        "messages": [
+            *HISTORY,
+            {"role": "response_1", "content": "4"},
+            {"role": "response_2", "content": "five"},
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Secrets
+
+
+async def test_api_key_sent_as_bearer_and_never_shown(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    monkeypatch.setenv("GENRM_TEST_KEY", "sk-very-secret")
+    echo = httpx2.Response(401, text="bad key sk-very-secret for user")
+    script = Script(echo)
+    cfg = make_cfg({"api_key_env": "GENRM_TEST_KEY", "base_urls": ("http://u:pw@judge-a.test",)})
+    async with open_judge(cfg, transport=transport(script)) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+        status = json.dumps(judge.status())
+    assert script.requests[0].headers["authorization"] == "Bearer sk-very-secret"
+    assert "sk-very-secret" not in str(info.value)
+    assert "pw" not in str(info.value)
+    assert "HTTP 401" in str(info.value)
+    assert "sk-very-secret" not in status and "pw@" not in status
+    assert "sk-very-secret" not in repr(judge.stats)
+
+
+async def test_missing_api_key_variable_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GENRM_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="judge.api_key_env"):
+        async with open_judge(make_cfg({"api_key_env": "GENRM_TEST_KEY"})):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints, shards, limiter
+
+
+async def test_concurrent_calls_spread_over_endpoints(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    release = trio.Event()
+    hosts: list[str] = []
+
+    async def held(request: httpx2.Request) -> httpx2.Response:
+        hosts.append(request.url.host)
+        await release.wait()
+        return responses_ok()
+
+    cfg = make_cfg({"base_urls": (URL_A, URL_B)})
+    async with open_judge(cfg, transport=transport(held)) as judge:
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(judge.judge_pair, REQUEST)
+            await trio.testing.wait_all_tasks_blocked()
+            in_flight = [e["in_flight"] for e in judge.status()["endpoints"]]
+            release.set()
+    assert in_flight == [3, 3]
+    assert sorted(hosts) == ["judge-a.test"] * 3 + ["judge-b.test"] * 3
+
+
+async def test_failing_endpoint_cools_down(autojump_clock: trio.testing.MockClock) -> None:
+    hosts: list[str] = []
+
+    async def a_is_down(request: httpx2.Request) -> httpx2.Response:
+        hosts.append(request.url.host[:7])
+        if request.url.host == "judge-a.test":
+            raise httpx2.ConnectError("refused")
+        return responses_ok()
+
+    cfg = make_cfg(
+        {"base_urls": (URL_A, URL_B), "endpoint_failure_threshold": 2, "endpoint_cooldown_s": 5.0},
+        genrm_parse_retries=0,
+    )
+    async with open_judge(cfg, transport=transport(a_is_down)) as judge:
+
+        async def one() -> str:
+            try:
+                await judge.judge_pair(REQUEST)
+            except JudgeFailed:
+                return "failed"
+            return "ok"
+
+        outcomes = [await one() for _ in range(6)]
+        status = judge.status()["endpoints"]
+        assert status[0]["cooling_down"] and status[0]["consecutive_failures"] == 2
+        assert not status[1]["cooling_down"]
+        await trio.sleep(5.0)
+        assert not judge.status()["endpoints"][0]["cooling_down"]
+        outcomes.append(await one())  # A is tried again after the cool-down, and fails
+        assert judge.status()["endpoints"][0]["cooling_down"]
+        outcomes.append(await one())
+    assert hosts == [
+        "judge-a",
+        "judge-b",
+        "judge-a",
+        "judge-b",
+        "judge-b",
+        "judge-b",
+        "judge-a",
+        "judge-b",
+    ]
+    assert outcomes == ["failed", "ok", "failed", "ok", "ok", "ok", "failed", "ok"]
+
+
+async def test_all_endpoints_cooling_uses_the_one_cooling_longest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hosts: list[str] = []
+
+    async def all_down(request: httpx2.Request) -> httpx2.Response:
+        hosts.append(request.url.host[:7])
+        return httpx2.Response(502)
+
+    cfg = make_cfg(
+        {"base_urls": (URL_A, URL_B), "endpoint_failure_threshold": 1, "endpoint_cooldown_s": 60.0},
+        genrm_parse_retries=3,
+    )
+    async with open_judge(cfg, transport=transport(all_down), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed):
+            await judge.judge_pair(REQUEST)
+        assert all(e["cooling_down"] for e in judge.status()["endpoints"])
+    # A fails at 0 (cools), B at 0.2 (cools), then A has cooled longest, then A again.
+    assert hosts == ["judge-a", "judge-b", "judge-a", "judge-b"]
+
+
+async def test_success_resets_consecutive_failures(autojump_clock: trio.testing.MockClock) -> None:
+    script = Script(httpx2.Response(503), httpx2.Response(503), responses_ok())
+    cfg = make_cfg({"endpoint_failure_threshold": 3})
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        await judge.judge_pair(REQUEST)
+        assert judge.status()["endpoints"][0]["consecutive_failures"] == 0
+
+
+async def test_limiter_bounds_calls_in_flight(autojump_clock: trio.testing.MockClock) -> None:
+    in_flight = 0
+    peak = 0
+
+    async def slow(request: httpx2.Request) -> httpx2.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await trio.sleep(1.0)
+        in_flight -= 1
+        return responses_ok()
+
+    cfg = make_cfg(judge_max_concurrency=3)
+    async with open_judge(cfg, transport=transport(slow)) as judge:
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(judge.judge_pair, REQUEST)
+            await trio.testing.wait_all_tasks_blocked()
+            assert judge.status()["limiter"] == {"in_use": 3, "total": 3}
+        assert trio.current_time() == 4.0  # ceil(10 / 3) waves of 1 s
+    assert peak == 3
+    assert judge.stats.calls == 10
+
+
+async def test_clients_are_sharded_lazily_and_closed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    release = trio.Event()
+
+    async def held(request: httpx2.Request) -> httpx2.Response:
+        await release.wait()
+        return responses_ok()
+
+    mock = CloseCounting(held)
+    cfg = make_cfg({"max_connections_per_client": 2}, judge_max_concurrency=5)
+    async with open_judge(cfg, transport=mock) as judge:
+        assert judge.status()["endpoints"][0]["clients"] == 0
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(judge.judge_pair, REQUEST)
+            await trio.testing.wait_all_tasks_blocked()
+            assert judge.status()["endpoints"][0]["clients"] == 3  # ceil(5 / 2)
+            release.set()
+        assert mock.closed == 0
+    assert mock.closed == 3
+
+
+async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> None:
+    cfg = make_cfg({"base_urls": (URL_A, URL_B)}, judge_max_concurrency=8)
+    async with open_judge(cfg, transport=transport(Script(responses_ok()))) as judge:
+        assert judge.kind == "http"
+        assert judge.status() == {
+            "kind": "http",
+            "api": "responses",
+            "limiter": {"in_use": 0, "total": 8},
+            "endpoints": [
+                {
+                    "url": f"{u}/v1/responses",
+                    "in_flight": 0,
+                    "consecutive_failures": 0,
+                    "cooling_down": False,
+                    "clients": 0,
+                }
+                for u in (URL_A, URL_B)
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in judge and plugins
+
+
+async def test_builtin_judge(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = Config()
+    async with open_judge(cfg) as judge:
+        verdict = await judge.judge_pair(REQUEST)
+        assert judge.status() == {
+            "kind": "builtin",
+            "api": None,
+            "limiter": {"in_use": 0, "total": 1024},
+            "endpoints": [],
+        }
+    expected = scoring.parse_judge_output(
+        scoring.heuristic_judge_text(HISTORY, "4", "five", None), 3.0, 3.5
+    )
+    assert verdict == expected
+    assert judge.stats.calls == 1
+    assert any("synthetic" in r.getMessage() for r in caplog.records)
+
+
+def write_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, code: str) -> str:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(code))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+async def test_trio_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    mod = write_plugin(
+        tmp_path,
+        monkeypatch,
+        "genrm_test_trio_plugin",
+        f"""
+        import trio
+        seen = []
+        async def judge(request):
+            seen.append(request)
+            await trio.sleep(1.0)
+            if len(seen) == 1:
+                raise RuntimeError("judge backend hiccup")
+            return {VERDICT_TEXT!r}
+    """,
+    )
+    cfg = make_cfg({"base_urls": (), "plugin": f"{mod}:judge", "model": "m"}, use_principle=True)
+    request = JudgeRequest(HISTORY, "4", "five", principle="P")
+    async with open_judge(cfg, rng=MaxRng()) as judge:
+        assert await judge.judge_pair(request) == VERDICT
+        assert judge.status()["kind"] == "plugin"
+    assert trio.current_time() == pytest.approx(2.2, abs=1e-9)
+    seen = sys.modules[mod].seen
+    assert len(seen) == 2
+    assert seen[0] == {
+        "history": HISTORY,
+        "response_1": "4",
+        "response_2": "five",
+        "principle": "P",
+        "params": {"max_output_tokens": 16384, "temperature": 0.6, "top_p": 0.95, "model": "m"},
+    }
+    assert judge.stats.failures_by_reason == {"plugin": 1}
+
+
+async def test_trio_plugin_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    mod = write_plugin(
+        tmp_path,
+        monkeypatch,
+        "genrm_test_slow_plugin",
+        """
+        import trio
+        async def judge(request):
+            await trio.sleep_forever()
+    """,
+    )
+    cfg = make_cfg({"base_urls": (), "plugin": f"{mod}:judge"}, judge_request_timeout_s=3.0)
+    async with open_judge(cfg) as judge:
+        with pytest.raises(JudgeFailed, match=r"^judge request timed out after 3.0 s$"):
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == 3.0
+
+
+ASYNCIO_PLUGIN = f"""
+    import asyncio
+    events = []
+    async def judge(request):
+        asyncio.get_running_loop()  # really on an asyncio loop
+        await asyncio.sleep(0.5)
+        events.append("answered")
+        return {VERDICT_TEXT!r}
+    async def forever(request):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+    async def self_cancel(request):
+        events.append("self_cancel")
+        if events.count("self_cancel") == 1:
+            raise asyncio.CancelledError()
+        return {VERDICT_TEXT!r}
+"""
+
+
+async def test_asyncio_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    mod = write_plugin(tmp_path, monkeypatch, "genrm_test_aio_plugin_a", ASYNCIO_PLUGIN)
+    cfg = make_cfg({"base_urls": (), "plugin": f"{mod}:judge", "plugin_flavor": "asyncio"})
+    async with open_judge(cfg) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    assert sys.modules[mod].events == ["answered"]
+
+
+async def test_asyncio_plugin_cancelled_from_trio(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    mod = write_plugin(tmp_path, monkeypatch, "genrm_test_aio_plugin_b", ASYNCIO_PLUGIN)
+    cfg = make_cfg({"base_urls": (), "plugin": f"{mod}:forever", "plugin_flavor": "asyncio"})
+    async with open_judge(cfg) as judge:
+        with trio.move_on_after(1.0) as scope:
+            await judge.judge_pair(REQUEST)
+        assert scope.cancelled_caught
+        assert trio.current_time() == 1.0
+        assert sys.modules[mod].events == ["cancelled"]
+        assert judge.status()["limiter"]["in_use"] == 0
+
+
+async def test_asyncio_plugin_request_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    mod = write_plugin(tmp_path, monkeypatch, "genrm_test_aio_plugin_c", ASYNCIO_PLUGIN)
+    cfg = make_cfg(
+        {"base_urls": (), "plugin": f"{mod}:forever", "plugin_flavor": "asyncio"},
+        judge_request_timeout_s=2.0,
+    )
+    async with open_judge(cfg) as judge:
+        with pytest.raises(JudgeFailed, match="timed out after 2.0 s"):
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == 2.0
+    assert sys.modules[mod].events == ["cancelled"]
+
+
+async def test_asyncio_side_cancellation_is_a_transient_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    mod = write_plugin(tmp_path, monkeypatch, "genrm_test_aio_plugin_d", ASYNCIO_PLUGIN)
+    cfg = make_cfg({"base_urls": (), "plugin": f"{mod}:self_cancel", "plugin_flavor": "asyncio"})
+    async with open_judge(cfg, rng=MaxRng()) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    assert sys.modules[mod].events == ["self_cancel", "self_cancel"]
+    assert judge.stats.failures_by_reason == {"plugin": 1}
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("genrm_no_such_module_xyz:judge", "cannot import module"),
+        ("json:no_such_function", "no attribute 'no_such_function'"),
+        ("json:dumps", "not an async function"),
+    ],
+)
+async def test_bad_plugin_is_a_config_error(spec: str, problem: str) -> None:
+    cfg = make_cfg({"base_urls": (), "plugin": spec})
+    with pytest.raises(ConfigError, match=problem) as info:
+        async with open_judge(cfg):
+            pass
+    assert info.value.key == "judge.plugin"
+
+
+def test_judge_request_is_a_frozen_struct() -> None:
+    assert msgspec.json.decode(msgspec.json.encode(REQUEST), type=JudgeRequest) == REQUEST
+    with pytest.raises(AttributeError):
+        REQUEST.response_1 = "x"  # type: ignore[misc]
+    assert isinstance(Judge, type)
