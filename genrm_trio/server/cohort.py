@@ -389,21 +389,21 @@ class CohortRegistry:
                 self._fail(cohort, Failure(503, kind, f"evaluation was cancelled ({kind})"))
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        members = cohort.members
         for index, (i, j, _judge_idx) in enumerate(cohort.pairs):
-            if index in cohort.started_pairs:
+            if index in cohort.started_pairs or i not in members or j not in members:
                 continue
-            if i in cohort.members and j in cohort.members:
-                cohort.started_pairs.add(index)
-                nursery.start_soon(self._judge_one, cohort, index)
+            cohort.started_pairs.add(index)
+            # Built now: the task may first run after the cohort failed and dropped its members.
+            request = JudgeRequest(
+                history=cohort.history,
+                response_1=members[i].answer,
+                response_2=members[j].answer,
+                principle=cohort.principle,
+            )
+            nursery.start_soon(self._judge_one, cohort, index, request)
 
-    async def _judge_one(self, cohort: Cohort, index: int) -> None:
-        i, j, _judge_idx = cohort.pairs[index]
-        request = JudgeRequest(
-            history=cohort.history,
-            response_1=cohort.members[i].answer,
-            response_2=cohort.members[j].answer,
-            principle=cohort.principle,
-        )
+    async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest) -> None:
         try:
             verdict = await self._judge.judge_pair(request)
         except JudgeFailed as exc:
