@@ -56,7 +56,9 @@ def prompt_digest(prompt_input: Any, principle: str | None) -> str:
     ``prompt_input`` is ``responses_create_params.input`` exactly as received. Never blocks;
     raises as :func:`canonical_json`.
     """
-    return hashlib.sha256(canonical_json({"input": prompt_input, "principle": principle})).hexdigest()
+    return hashlib.sha256(
+        canonical_json({"input": prompt_input, "principle": principle})
+    ).hexdigest()
 
 
 def response_digest(response: Any) -> str:

@@ -508,9 +508,7 @@ def aggregate(
         counts[comp.response_i] += 1
         counts[comp.response_j] += 1
 
-    rewards = [
-        totals[idx] / counts[idx] if counts[idx] else cfg.default_score for idx in range(n)
-    ]
+    rewards = [totals[idx] / counts[idx] if counts[idx] else cfg.default_score for idx in range(n)]
 
     if n >= 2:
         if (
@@ -584,9 +582,7 @@ def heuristic_judge_text(
 
     Never blocks, never raises; same inputs, same text, in every process.
     """
-    prompt_text = " ".join(
-        m.get("content", "") for m in history if m.get("role", "user") == "user"
-    )
+    prompt_text = " ".join(m.get("content", "") for m in history if m.get("role", "user") == "user")
     prompt_words = frozenset(_WORD.findall(prompt_text.lower()))
     quality_1 = _answer_quality(response_1, prompt_words)
     quality_2 = _answer_quality(response_2, prompt_words)

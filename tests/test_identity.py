@@ -107,8 +107,12 @@ def test_legacy_and_explicit_keys_never_collide() -> None:
 def test_describe_is_short_and_safe_for_logs() -> None:
     assert describe(explicit_key("g-1", 2)) == "group 'g-1' attempt 2"
     digest = "0123456789abcdef" * 4
-    assert describe(legacy_key(5, None, digest, 1)) == "legacy 'task:5' prompt 0123456789ab attempt 1"
-    assert describe(legacy_key(None, None, digest, 0)) == "legacy 'anon' prompt 0123456789ab attempt 0"
+    assert (
+        describe(legacy_key(5, None, digest, 1)) == "legacy 'task:5' prompt 0123456789ab attempt 1"
+    )
+    assert (
+        describe(legacy_key(None, None, digest, 0)) == "legacy 'anon' prompt 0123456789ab attempt 0"
+    )
     long = describe(explicit_key("x" * 10_000 + "\n forged log line", 0))
     assert len(long) <= 120
     assert "\n" not in long
