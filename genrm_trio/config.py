@@ -78,7 +78,6 @@ LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
 _NEMO_MARKER_KEYS = frozenset({"genrm_model_server", "genrm_responses_create_params"})
 _NEMO_NULLABLE_KEYS = frozenset({"host", "port"})
 _MAX_CONNECTIONS_PER_CLIENT = 16
-_PLUGIN_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _SEARCH_DEPTH = 8
 _VALUE_REPR_CHARS = 60
 _SECRET_WORDS = ("key", "token", "secret", "password", "authorization", "cookie")
@@ -91,7 +90,7 @@ def _default_judge_params() -> dict[str, Any]:
 class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Where and how the judge is called. Empty ``base_urls`` and no plugin: built-in judge.
 
-    ``plugin`` is ``module:function`` (checked for shape here, imported by the judge).
+    ``plugin`` (``module:function``) is checked and imported by the judge, not here.
     ``base_urls`` are OpenAI-style server roots, each ``http://`` or ``https://`` with a host.
     They are normalised on construction: one trailing ``/`` and then one trailing ``/v1`` are
     stripped (``http://judge:8000/v1/`` becomes ``http://judge:8000``); the judge client adds
@@ -263,10 +262,6 @@ def _validate_judge(judge: JudgeConfig) -> None:
         # A value pasted where the variable's name belongs would leak through /status.
         raise ConfigError("judge.api_key_env", "must be the name of an environment variable")
     _non_empty("judge.model", judge.model, nullable=True)
-    if judge.plugin is not None and not (
-        isinstance(judge.plugin, str) and _PLUGIN_PATH.fullmatch(judge.plugin)
-    ):
-        raise ConfigError("judge.plugin", f"must be 'module:function', got {_show(judge.plugin)}")
     _number(
         "judge.max_connections_per_client",
         judge.max_connections_per_client,
@@ -542,6 +537,8 @@ _AT_PATH = re.compile(r" - at (.*)$")
 _BACKTICKED = re.compile(r"`([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`")
 _INDEX = re.compile(r"\[(\d+)\]")
+_TYPE_WORDS = re.compile(r"\b(array|object)\b")
+_TYPE_NAMES = {"array": "list", "object": "mapping"}
 
 
 def _path_to_key(path: str) -> str:
@@ -588,11 +585,17 @@ def _translate(
     if unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
         problem = "unknown key"
+    elif message.startswith("Invalid enum value"):
+        problem = "invalid value" + message.removeprefix("Invalid enum value")
+        choices = _literal_choices(key)
+        if choices:
+            problem = f"{problem}; expected one of {', '.join(map(repr, choices))}"
     else:
-        problem = message.replace("`", "")
+        problem = _TYPE_WORDS.sub(lambda m: _TYPE_NAMES.get(m.group(1), m.group(1)), message)
+        problem = problem.replace("`", "")
         problem = problem[:1].lower() + problem[1:]
         present, value = _lookup(tree, key)
-        if present:
+        if present and value is not None and problem.startswith("expected"):
             problem = f"{problem} {_show(value)}"
         choices = _literal_choices(key)
         if choices:
