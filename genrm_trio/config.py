@@ -8,7 +8,8 @@ Sources, lowest precedence first:
 2. a YAML file, in one of two shapes:
 
    * our flat format: the keys of :class:`Config` at the top level, ``judge`` as a nested
-     mapping (see ``configs/default.yaml``);
+     mapping (see ``configs/default.yaml``). A file with any of our keys (or a NeMo-only key)
+     at the top level is read this way, and every other top-level key is then unknown;
    * a NeMo Gym ``genrm_compare`` block, loaded unchanged: the server mapping is found under
      ``<anything>.resources_servers.<name>`` (the one holding ``genrm_model_server`` or
      ``genrm_responses_create_params``, or named ``genrm_compare``), or a
@@ -454,7 +455,8 @@ def _file_tree(doc: Any) -> dict[str, Any]:
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
-    """Apply one override to ``tree``: a dotted key sets one leaf, a whole value replaces."""
+    """Apply one override to ``tree``: a dotted key sets one leaf; a whole ``judge`` mapping
+    merges into the file's (its fields are keys of their own); any other whole value replaces."""
     parts = key.split(".")
     if not key or any(not p for p in parts):
         raise ConfigError(key, f"malformed key ({source})")
