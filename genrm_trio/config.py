@@ -81,7 +81,10 @@ _NEMO_NULLABLE_KEYS = frozenset({"host", "port"})
 _MAX_CONNECTIONS_PER_CLIENT = 16
 _SEARCH_DEPTH = 8
 _VALUE_REPR_CHARS = 60
-_SECRET_WORDS = ("key", "token", "secret", "password", "authorization", "cookie")
+# Whole words of a key (split on "_" and "-"): "api_key" and "auth-token" are secret,
+# "max_output_tokens" is not.
+_SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "authorization",
+                           "cookie"})
 
 
 def _default_judge_params() -> dict[str, Any]:
@@ -675,7 +678,7 @@ def _redact(value: Any) -> Any:
     if isinstance(value, dict):
         return {
             k: "***"
-            if isinstance(k, str) and any(w in k.lower() for w in _SECRET_WORDS)
+            if isinstance(k, str) and _SECRET_WORDS.intersection(k.lower().replace("-", "_").split("_"))
             else _redact(v)
             for k, v in value.items()
         }

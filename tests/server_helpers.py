@@ -1,0 +1,68 @@
+"""Real-socket helpers: run the server in process on 127.0.0.1 port 0, talk to it over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import h11
+import trio
+
+from genrm_trio.config import Config
+from genrm_trio.server.serve import run_server
+
+
+@asynccontextmanager
+async def running_server(cfg: Config) -> AsyncIterator[str]:
+    """Serve ``cfg`` on an ephemeral loopback port; graceful shutdown on exit."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url: str = await nursery.start(
+            lambda task_status: run_server(cfg, shutdown=stop, task_status=task_status)
+        )
+        try:
+            yield url
+        finally:
+            stop.set()
+
+
+async def raw_http(
+    url: str, requests: list[tuple[str, str, bytes]], timeout_s: float = 10.0,
+) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send ``(method, path, body)`` requests one after another on ONE keep-alive connection
+    (raw h11, so nothing is hidden by a client pool) and return each answer. Stops early if the
+    server closes the connection."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    out: list[tuple[int, dict[str, str], bytes]] = []
+    with trio.fail_after(timeout_s):
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            conn = h11.Connection(h11.CLIENT)
+            for method, path, payload in requests:
+                if conn.our_state is not h11.IDLE:
+                    break
+                headers = [("Host", host), ("Content-Length", str(len(payload))),
+                           ("Content-Type", "application/json")]
+                await stream.send_all(conn.send(h11.Request(method=method, target=path,
+                                                            headers=headers)))
+                await stream.send_all(conn.send(h11.Data(data=payload)))
+                await stream.send_all(conn.send(h11.EndOfMessage()))
+                status, answer_headers, body = 0, {}, b""
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(await stream.receive_some(65536))
+                    elif isinstance(event, h11.Response):
+                        status = event.status_code
+                        answer_headers = {k.decode(): v.decode() for k, v in event.headers}
+                    elif isinstance(event, h11.Data):
+                        body += event.data
+                    elif isinstance(event, h11.EndOfMessage):
+                        out.append((status, answer_headers, body))
+                        break
+                    elif isinstance(event, h11.ConnectionClosed):
+                        return out
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    break
+                conn.start_next_cycle()
+    return out
