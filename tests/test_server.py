@@ -1,0 +1,269 @@
+"""The HTTP surface over real sockets (hypercorn on 127.0.0.1 port 0, no autojump)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+
+from genrm_trio.config import Config, JudgeConfig
+from tests.lifecycle_helpers import answer, body
+from tests.server_helpers import raw_http, running_server
+
+
+def verify_bytes(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+async def post_all(client: httpx2.AsyncClient, bodies: list[dict[str, Any]]) -> list[httpx2.Response]:
+    results: list[httpx2.Response | None] = [None] * len(bodies)
+
+    async def one(i: int) -> None:
+        results[i] = await client.post("/verify", json=bodies[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(bodies)):
+            nursery.start_soon(one, i)
+    return [r for r in results if r is not None]
+
+
+async def test_cohort_over_http_echoes_and_rewards_by_slot() -> None:
+    cfg = Config(num_rollouts_per_prompt=3, port=0)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        bodies = [body(s, group="http", attempt=None, carried={"k": s}) for s in (2, 0, 1)]
+        bodies[0]["group_id"] = bodies[0].pop("_ng_group_id")  # the old alias spelling
+        answers = await post_all(client, bodies)
+        for sent, got in zip(bodies, answers, strict=True):
+            assert got.status_code == 200
+            data = got.json()
+            assert data["carried"] == sent["carried"]
+            assert data["response"] == sent["response"]
+            assert data["responses_create_params"] == sent["responses_create_params"]
+            assert data["_ng_group_id"] == "http" and "group_id" not in data
+            assert data["_ng_group_attempt"] == 0
+            assert data["_ng_rollout_index"] == sent["_ng_rollout_index"]
+            assert (data["mask_sample"], data["failure_kind"], data["failure_reason"]) == (
+                False, None, None)
+            assert isinstance(data["reward"], float)
+        status = (await client.get("/status")).json()
+        assert status["cohorts"]["active_cohorts"] == 0 and status["cohorts"]["waiters"] == 0
+        assert status["judge"]["kind"] == "builtin"
+
+
+async def test_masked_judge_failure_has_the_exact_shape() -> None:
+    # A closed judge port: every attempt fails to connect, the budget runs out quickly.
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    cfg = Config(
+        num_rollouts_per_prompt=2, port=0, genrm_parse_retries=1,
+        genrm_parse_retry_sleep_s=0.01, judge_request_timeout_s=5.0,
+        judge=JudgeConfig(base_urls=(f"http://127.0.0.1:{dead_port}",)),
+    )
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        bodies = [body(s, group=None, attempt=None, task=5,
+                       instance_config={"dataset": "x", "mask_sample": False}) for s in range(2)]
+        with trio.fail_after(5.0):  # fails within the request deadline, not after it
+            answers = await post_all(client, bodies)
+        for sent, got in zip(bodies, answers, strict=True):
+            assert got.status_code == 200
+            data = got.json()
+            expected_keys = set(sent) | {
+                "reward", "mask_sample", "failure_kind", "failure_reason", "instance_config",
+                "_ng_failure_class", "_ng_failure_judge_error"}
+            assert set(data) == expected_keys
+            for key, value in sent.items():
+                if key != "instance_config":
+                    assert data[key] == value
+            assert data["reward"] == 0.0 and data["mask_sample"] is True
+            assert data["failure_kind"] == "judge_failed"
+            assert data["_ng_failure_class"] == "judge_failed"
+            assert data["instance_config"] == {"dataset": "x", "mask_sample": True}
+            reason = data["failure_reason"]
+            assert reason == data["_ng_failure_judge_error"] and len(reason) <= 2000
+            assert str(dead_port) in reason
+            assert reason.endswith("keep their recorded failure).")  # fresh-id guidance
+        # The failed legacy cohort is retained: a regenerated answer gets the same failure.
+        again = await client.post("/verify", json=body(0, group=None, attempt=None, task=5,
+                                                       text="regenerated"))
+        assert again.json()["failure_reason"] == answers[0].json()["failure_reason"]
+
+
+async def test_bad_inputs_get_specific_errors_and_change_nothing() -> None:
+    cfg = Config(num_rollouts_per_prompt=4, port=0, max_request_bytes=4096)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        pending = body(0, group="keep")
+
+        async def waiting() -> None:
+            await client.post("/verify", json=pending)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting)
+            while (await client.get("/status")).json()["cohorts"]["waiters"] != 1:
+                await trio.sleep(0.01)
+            before = (await client.get("/status")).json()["cohorts"]
+            cases: list[tuple[bytes, int, str, str]] = [
+                (b"{not json", 400, "bad_request", "not valid JSON"),
+                (b"[1, 2]", 400, "bad_request", "JSON object"),
+                (verify_bytes({**body(1, group="keep"), "response": "text"}), 400,
+                 "bad_request", "$.response"),
+                (verify_bytes({**body(1, group="keep"), "_ng_rollout_index": "1"}), 400,
+                 "bad_request", "$._ng_rollout_index"),
+                (verify_bytes({**body(1, group="keep"), "responses_create_params": {}}), 400,
+                 "bad_request", "$.responses_create_params.input"),
+                (verify_bytes(body(None, group="keep")), 422, "bad_coordinates",
+                 "_ng_rollout_index"),
+                (verify_bytes(body(4, group="keep")), 422, "bad_coordinates", "[0, 4)"),
+                (verify_bytes(body(1, group="keep", attempt=-1)), 422, "bad_coordinates",
+                 "_ng_group_attempt"),
+                (verify_bytes(body(0, group="keep", text="other")), 409, "conflict", "slot 0"),
+                (verify_bytes(body(1, group="keep", text="x" * 5000)), 413, "too_large",
+                 "max_request_bytes"),
+            ]
+            for payload, status, kind, needle in cases:
+                got = await client.post("/verify", content=payload)
+                assert got.status_code == status, (payload[:80], got.text)
+                assert got.headers["content-type"] == "application/json"
+                assert got.json()["failure_kind"] == kind
+                assert needle in got.json()["detail"]
+            assert (await client.get("/status")).json()["cohorts"] == before
+            nursery.cancel_scope.cancel()
+
+
+async def test_keep_alive_connection_survives_every_kind_of_answer() -> None:
+    cfg = Config(num_rollouts_per_prompt=1, port=0, max_request_bytes=4096)
+    async with running_server(cfg) as url:
+        ok = verify_bytes(body(None, group=None))
+        answers = await raw_http(url, [
+            ("POST", "/verify", ok),
+            ("POST", "/verify", b"[]"),
+            ("POST", "/verify", ok),
+            ("GET", "/health", b""),
+            ("POST", "/seed_session", verify_bytes({"resources_session_id": "s-1"})),
+            ("POST", "/close_session", b"{}"),
+            ("GET", "/reverify_mode", b""),
+            ("GET", "/nope", b""),
+            ("POST", "/verify", ok),
+        ])
+        assert [a[0] for a in answers] == [200, 400, 200, 200, 200, 200, 200, 404, 200]
+        first = json.loads(answers[0][2])
+        assert first["reward"] == 3.0 and first["mask_sample"] is False  # N <= 1 short cut
+        assert json.loads(answers[4][2]) == {"resources_session_id": "s-1"}
+        assert json.loads(answers[5][2]) == {}
+        assert json.loads(answers[6][2]) == "unsupported"
+        assert json.loads(answers[7][2])["detail"]
+        # Too large: a JSON 413, then the server closes the connection rather than hang it.
+        big = await raw_http(url, [("POST", "/verify", b"x" * 10_000), ("GET", "/health", b"")])
+        assert big[0][0] == 413 and json.loads(big[0][2])["failure_kind"] == "too_large"
+        assert len(big) == 1
+
+
+async def test_compare_health_readiness_and_no_secret_leaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GENRM_TEST_JUDGE_KEY", "sk-very-secret-value")
+    cfg = Config(num_rollouts_per_prompt=2, port=0,
+                 judge=JudgeConfig(api_key_env="GENRM_TEST_JUDGE_KEY"))
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        responses = [body(s)["response"] for s in range(3)]
+        got = await client.post("/compare", json={
+            "conversation_history": [{"role": "user", "content": "Why is the sky blue?"}],
+            "response_objs": responses,
+        })
+        data = got.json()
+        assert got.status_code == 200 and len(data["rewards"]) == 3
+        assert [(c["response_i"], c["response_j"]) for c in data["comparison_results"]] == [
+            (0, 1), (1, 2), (2, 0)]
+        assert set(data["metrics"]) >= {"mean_individual_score", "tiebreak_usage_rate"}
+        one = (await client.post("/compare", json={
+            "conversation_history": [], "response_objs": responses[:1]})).json()
+        assert one == {"rewards": [3.0], "comparison_results": None, "metrics": None}
+        bad = await client.post("/compare", json={"conversation_history": [],
+                                                  "response_objs": "x"})
+        assert bad.status_code == 400 and "$.response_objs" in bad.json()["detail"]
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/readyz")).status_code == 200
+        status = await client.get("/status")
+        metrics = await client.get("/metrics")
+        for text in (status.text, metrics.text):
+            assert "sk-very-secret-value" not in text
+        assert status.json()["config"]["genrm_responses_create_params"][
+            "max_output_tokens"] == 16384
+        assert "genrm_cohorts_opened_total" in metrics.text
+        assert answer(0)  # helpers stay importable
+
+
+async def test_client_disconnect_releases_only_its_waiter() -> None:
+    cfg = Config(num_rollouts_per_prompt=2, port=0)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        payload = verify_bytes(body(0, group="gone"))
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /verify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+        async def cohort_state() -> dict[str, int]:
+            return (await client.get("/status")).json()["cohorts"]  # type: ignore[no-any-return]
+
+        with trio.fail_after(5.0):
+            while (await cohort_state())["waiters"] != 1:
+                await trio.sleep(0.01)
+            await stream.aclose()  # the client goes away
+            while (await cohort_state())["waiters"] != 0:
+                await trio.sleep(0.01)
+        assert (await cohort_state())["active_cohorts"] == 1  # its answer stays
+        first, second = await post_all(client, [body(0, group="gone"), body(1, group="gone")])
+        assert first.status_code == second.status_code == 200  # identical retry re-attaches
+
+
+def test_sigterm_answers_200_waiting_members_and_exits_zero(tmp_path: Any) -> None:
+    """A real `genrm-trio serve` process, 200 members waiting in incomplete cohorts, SIGTERM."""
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0",
+         "--set", "num_rollouts_per_prompt=4", "--set", "shutdown_grace_s=5"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        url = line.split("listening on ", 1)[1].strip()
+        results: list[httpx2.Response] = []
+
+        async def main() -> None:
+            limits = httpx2.Limits(max_connections=250)
+            async with httpx2.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+
+                async def one(i: int) -> None:
+                    results.append(await client.post("/verify", json=body(i % 3, group=f"g{i // 3}")))
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(200):
+                        nursery.start_soon(one, i)
+                    with trio.fail_after(20):
+                        while (await client.get("/status")).json()["cohorts"]["waiters"] < 200:
+                            await trio.sleep(0.05)
+                    proc.send_signal(signal.SIGTERM)
+
+        trio.run(main)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+        log.close()
+    assert len(results) == 200
+    assert {r.status_code for r in results} == {503}
+    assert {r.json()["failure_kind"] for r in results} == {"shutdown"}
