@@ -858,3 +858,74 @@ def test_judge_request_is_a_frozen_struct() -> None:
     with pytest.raises(AttributeError):
         REQUEST.response_1 = "x"  # type: ignore[misc]
     assert isinstance(Judge, type)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real loopback sockets (no autojump clock): httpx2 under trio, end to end.
+
+
+async def serve_one_shot_judge(
+    nursery: trio.Nursery, answer_delay_s: float, hung_up: trio.Event
+) -> int:
+    """A tiny HTTP/1.1 judge on 127.0.0.1:0 answering one request per connection."""
+    body = json.dumps(
+        {
+            "status": "completed",
+            "output": [
+                {"type": "message", "content": [{"type": "output_text", "text": VERDICT_TEXT}]}
+            ],
+        }
+    ).encode()
+
+    async def handle(stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            data += chunk
+        with trio.move_on_after(answer_delay_s):
+            # While "thinking", notice the client hanging up (the call was aborted).
+            while await stream.receive_some(65536):
+                pass
+            hung_up.set()
+            return
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        await stream.send_all(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    port: int = listeners[0].socket.getsockname()[1]
+    return port
+
+
+async def test_real_socket_round_trip_and_cancel(nursery: trio.Nursery) -> None:
+    hung_up = trio.Event()
+    port = await serve_one_shot_judge(nursery, 0.0, trio.Event())
+    cfg = make_cfg({"base_urls": (f"http://127.0.0.1:{port}",)}, judge_request_timeout_s=5.0)
+    async with open_judge(cfg) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    slow_port = await serve_one_shot_judge(nursery, 30.0, hung_up)
+    cfg = make_cfg({"base_urls": (f"http://127.0.0.1:{slow_port}",)})
+    async with open_judge(cfg) as judge:
+        with trio.move_on_after(0.2) as scope:
+            await judge.judge_pair(REQUEST)
+        assert scope.cancelled_caught
+        assert judge.status()["endpoints"][0]["in_flight"] == 0
+        with trio.fail_after(5.0):
+            await hung_up.wait()  # the judge sees the connection dropped
+
+
+async def test_real_closed_port_fails_fast() -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again when we leave: connections are refused
+    cfg = make_cfg(
+        {"base_urls": (f"http://127.0.0.1:{port}",)},
+        genrm_parse_retry_sleep_s=0.0,
+        judge_request_timeout_s=5.0,
+    )
+    async with open_judge(cfg) as judge:
+        with trio.fail_after(5.0):
+            with pytest.raises(JudgeFailed, match="after 4 attempts: .*ConnectError"):
+                await judge.judge_pair(REQUEST)
+    assert judge.stats.failures_by_reason == {"transport": 4}
