@@ -366,8 +366,11 @@ class _HttpBackend:
         threshold = self._cfg.judge.endpoint_failure_threshold
         if threshold > 0 and endpoint.consecutive_failures >= threshold:
             now = trio.current_time()
+            was_cooling = endpoint.cooling_until > now
             endpoint.cooldown_started = now
             endpoint.cooling_until = now + self._cfg.judge.endpoint_cooldown_s
+            if was_cooling:  # its other calls were still in flight: one line per cool-down
+                return
             log.warning(
                 "judge endpoint %s cooling down for %s s after %d consecutive failures",
                 endpoint.display,
