@@ -275,8 +275,8 @@ async def test_cut_chunked_body_never_ends(
 async def test_trickle_sends_a_valid_body_in_many_small_pieces(
     nursery: trio.Nursery, client: httpx2.AsyncClient
 ) -> None:
-    url, _ = await start_judge(
-        nursery, MockJudgeSettings(fault=Fault.TRICKLE, trickle_interval_s=0.0005)
+    url, state = await start_judge(
+        nursery, MockJudgeSettings(fault=Fault.TRICKLE, fault_count=1, trickle_interval_s=0.0005)
     )
     pieces: list[bytes] = []
     async with client.stream("POST", url + RESPONSES_PATH, json=responses_body()) as r:
@@ -287,15 +287,21 @@ async def test_trickle_sends_a_valid_body_in_many_small_pieces(
     assert max(len(p) for p in pieces) < 64
     text = answer_text(RESPONSES_PATH, msgspec.json.decode(b"".join(pieces)))
     scoring.parse_judge_output(text, 3.0, 3.5)
+    # the connection stays usable after a complete trickled answer
+    assert (await client.post(url + RESPONSES_PATH, json=responses_body())).status_code == 200
+    assert state.connections == 1
 
 
 async def test_trickle_outlasts_a_whole_call_deadline(
     nursery: trio.Nursery, client: httpx2.AsyncClient
 ) -> None:
-    url, _ = await start_judge(nursery, MockJudgeSettings(fault=Fault.TRICKLE))
+    url, state = await start_judge(nursery, MockJudgeSettings(fault=Fault.TRICKLE))
     with pytest.raises(trio.TooSlowError):
         with trio.fail_after(0.2):
             await client.post(url + RESPONSES_PATH, json=responses_body())
+    with trio.fail_after(0.25):
+        # the judge notices the client leaving well before its next 0.5 s trickle step
+        await state.wait_for(lambda s: s.in_flight == 0)
 
 
 async def test_hang_holds_the_call_until_the_client_leaves(

@@ -694,8 +694,7 @@ class _Server:
             await self._send_partial(stream, conn, body, chunked=True)
             return False
         if fault is Fault.TRICKLE:
-            await self._send_trickle(stream, conn, body)
-            return True
+            return await self._send_trickle(stream, conn, body)
         await self._send(stream, conn, 200, body)
         return True
 
@@ -715,17 +714,42 @@ class _Server:
 
     async def _send_trickle(
         self, stream: trio.SocketStream, conn: h11.Connection, body: bytes
-    ) -> None:
+    ) -> bool:
+        """Send ``body`` a few bytes per ``trickle_interval_s``; False if the client left first.
+
+        A watcher notices the client leaving (its deadline fired) so the call, and its capacity
+        slot, end at once rather than at the next failed send.
+        """
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]
-        await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
-        for start in range(0, len(body), _TRICKLE_PIECE_BYTES):
-            await trio.sleep(self.settings.trickle_interval_s)
-            piece = body[start : start + _TRICKLE_PIECE_BYTES]
-            await stream.send_all(conn.send(h11.Data(data=piece)))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
+        client_gone = False
+
+        async def watch_client(cancel_scope: trio.CancelScope) -> None:
+            nonlocal client_gone
+            try:
+                # Bytes a keep-alive client sends meanwhile are kept for h11's next cycle.
+                while data := await stream.receive_some(_RECV_BYTES):
+                    conn.receive_data(data)
+            except trio.BrokenResourceError:
+                pass
+            client_gone = True
+            cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_client, nursery.cancel_scope)
+            try:
+                await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
+                for start in range(0, len(body), _TRICKLE_PIECE_BYTES):
+                    await trio.sleep(self.settings.trickle_interval_s)
+                    piece = body[start : start + _TRICKLE_PIECE_BYTES]
+                    await stream.send_all(conn.send(h11.Data(data=piece)))
+                await stream.send_all(conn.send(h11.EndOfMessage()))
+            except trio.BrokenResourceError:
+                client_gone = True
+            nursery.cancel_scope.cancel()
+        return not client_gone
 
 
 async def _open_listener(host: str, port: int) -> trio.SocketListener:
