@@ -112,6 +112,15 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
         extra.append("judge.base_urls=[" + ", ".join(f'"{u}"' for u in judge_urls) + "]")
     cfg = load_cli_config(config_path, sets, extra)
     setup_logging(cfg.log_level)
+    if cfg.state_dir is not None:
+        from genrm_trio.server.journal import Journal, JournalError
+
+        try:  # fail fast, with one line, before anything is bound
+            Journal.open(cfg.state_dir).close()
+        except JournalError as exc:
+            click.echo(f"genrm-trio: invalid configuration: config key 'state_dir': {exc}",
+                       err=True)
+            sys.exit(2)
     trio.run(serve_main, cfg)
 
 

@@ -105,11 +105,12 @@ def reference_rewards(cfg: Config, texts: list[str], prompt: str = PROMPT) -> li
 
 
 @asynccontextmanager
-async def open_registry(cfg: Config, judge: Any) -> AsyncIterator[CohortRegistry]:
+async def open_registry(cfg: Config, judge: Any, journal: Any = None
+                        ) -> AsyncIterator[CohortRegistry]:
     """A registry in its own nursery. On exit, asserts nothing leaked: no active cohort, no
     waiter, no cohort task left (only retained records may remain)."""
     async with trio.open_nursery() as nursery:
-        registry = CohortRegistry(cfg, judge, nursery)
+        registry = CohortRegistry(cfg, judge, nursery, journal)
         yield registry
         await trio.testing.wait_all_tasks_blocked()
         snap = registry.snapshot()

@@ -17,9 +17,11 @@ pruned from the old end, so bookkeeping is O(1) amortised per request however ma
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +31,7 @@ import trio
 from genrm_trio import identity, scoring
 from genrm_trio.config import Config
 from genrm_trio.errors import GenRMError, JudgeFailed
+from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import JudgeRequest
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
 
@@ -150,10 +153,13 @@ class CohortRegistry:
     """Owns every cohort of the process: admission, fencing, replay, retention, shutdown.
 
     ``nursery`` is the process-long nursery cohort tasks are spawned into; the registry never
-    outlives it. ``judge`` judges one pair with its retry budget (server/judge.py).
+    outlives it. ``judge`` judges one pair with its retry budget (server/judge.py). ``journal``
+    (optional, owned by the caller) mirrors terminal records and watermarks to disk; the
+    registry reloads them here, so replay, failure records and fencing survive a restart.
     """
 
-    def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery) -> None:
+    def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
+                 journal: Journal | None = None) -> None:
         self._cfg = cfg
         self._judge = judge
         self._nursery = nursery
@@ -166,6 +172,26 @@ class CohortRegistry:
         self._shutting_down = False
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
+        self._journal = journal
+        if journal is not None:
+            self._reload(journal)
+
+    def _reload(self, journal: Journal) -> None:
+        now, wall = trio.current_time(), time.time()
+        for stored in journal.records():
+            if stored.expires_wall is None:
+                expires_at = math.inf
+            else:
+                expires_at = now + (stored.expires_wall - wall)
+            failure = Failure(**stored.failure) if stored.failure is not None else None
+            self._records[stored.key] = _Record(expires_at, stored.digests, stored.rewards,
+                                                failure)
+        for mark in journal.watermarks():
+            self._watermarks[mark.group_id] = _Watermark(
+                mark.attempt, mark.prompt_digest, now - (wall - mark.touched_wall))
+        self._prune(now)
+        logger.info("state journal %s: %d records, %d watermarks reloaded", journal.path,
+                    len(self._records), len(self._watermarks))
 
     # ------------------------------------------------------------------ public API
 
@@ -304,11 +330,15 @@ class CohortRegistry:
     ) -> None:
         if watermark is None:
             self._watermarks[group_id] = _Watermark(attempt, prompt_digest, now)
+            if self._journal is not None:
+                self._journal.put_watermark(group_id, attempt, prompt_digest, time.time())
             return
         watermark.touched_at = now
         self._watermarks.move_to_end(group_id)
         if attempt > watermark.attempt:
             watermark.attempt = attempt
+            if self._journal is not None:
+                self._journal.put_watermark(group_id, attempt, prompt_digest, time.time())
             older = self._active_by_group.get(group_id, {})
             for old in [c for a, c in older.items() if a < attempt]:
                 self._fail(old, Failure(
@@ -490,6 +520,11 @@ class CohortRegistry:
             expires_at = math.inf if ttl is None else trio.current_time() + ttl
             self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure)
             self._records.move_to_end(key)
+            if self._journal is not None:
+                self._journal.put_record(
+                    key, None if ttl is None else time.time() + ttl, cohort.digests,
+                    cohort.rewards, dataclasses.asdict(failure) if failure is not None else None,
+                )
             self._prune(trio.current_time())
 
     def _prune(self, now: float) -> None:
@@ -499,6 +534,8 @@ class CohortRegistry:
             key, record = next(iter(records.items()))
             if len(records) > cap or record.expires_at <= now:
                 del records[key]
+                if self._journal is not None:
+                    self._journal.delete_record(key)
             else:
                 break
         ttl = self._cfg.cohort_result_ttl_s
@@ -515,6 +552,8 @@ class CohortRegistry:
                 budget -= 1
             else:
                 del watermarks[group_id]
+                if self._journal is not None:
+                    self._journal.delete_watermark(group_id)
 
     # ------------------------------------------------------------------ failure texts
 

@@ -22,7 +22,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from genrm_trio.config import Config
 from genrm_trio.server.app import create_app
 from genrm_trio.server.cohort import CohortRegistry
-from genrm_trio.server.judge import open_judge
+from genrm_trio.server.journal import Journal
+from genrm_trio.server.judge import Judge, open_judge
 
 logger = logging.getLogger(__name__)
 
@@ -52,31 +53,44 @@ async def run_server(
     before connections close, then returns.
     """
     stop = shutdown if shutdown is not None else trio.Event()
-    async with open_judge(cfg) as judge, trio.open_nursery() as root:
-        registry = CohortRegistry(cfg, judge, root)
-        app = create_app(cfg, registry, judge)
+    journal = Journal.open(cfg.state_dir) if cfg.state_dir is not None else None
+    try:
+        async with open_judge(cfg) as judge, trio.open_nursery() as root:
+            await _serve_in(cfg, judge, root, stop, journal, task_status)
+    finally:
+        if journal is not None:
+            journal.close()
 
-        @app.after_serving
-        async def _lifespan_end() -> None:
-            registry.begin_shutdown()
 
-        async def shutdown_trigger() -> None:
-            await stop.wait()
-            registry.begin_shutdown()
+async def _serve_in(
+    cfg: Config, judge: Judge, root: trio.Nursery, stop: trio.Event, journal: Journal | None,
+    task_status: trio.TaskStatus[str],
+) -> None:
+    """Start the registry and Hypercorn in ``root`` (the process-long nursery)."""
+    registry = CohortRegistry(cfg, judge, root, journal)
+    app = create_app(cfg, registry, judge)
 
-        async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(
-                app, _hypercorn_config(cfg), shutdown_trigger=shutdown_trigger,
-                task_status=task_status,
-            )
-            registry.begin_shutdown()
-            root.cancel_scope.cancel()
+    @app.after_serving
+    async def _lifespan_end() -> None:
+        registry.begin_shutdown()
 
-        binds: list[str] = await root.start(hypercorn_task)
-        url = binds[0]
-        logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
-                    cfg.num_rollouts_per_prompt)
-        task_status.started(url)
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        registry.begin_shutdown()
+
+    async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
+        await hypercorn_serve(
+            app, _hypercorn_config(cfg), shutdown_trigger=shutdown_trigger,
+            task_status=task_status,
+        )
+        registry.begin_shutdown()
+        root.cancel_scope.cancel()
+
+    binds: list[str] = await root.start(hypercorn_task)
+    url = binds[0]
+    logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
+                cfg.num_rollouts_per_prompt)
+    task_status.started(url)
 
 
 async def serve_main(cfg: Config) -> None:
