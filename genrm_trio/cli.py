@@ -71,8 +71,10 @@ def load_cli_config(config_path: str | None, sets: Sequence[str], extra: Sequenc
 
 def server_options(func: Any) -> Any:
     """--host, --port, --config and repeatable --set, as every server-starting command has."""
-    func = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                        help="Override any config key (dotted for nested keys; value is YAML).")(func)
+    func = click.option(
+        "--set", "sets", multiple=True, metavar="KEY=VALUE",
+        help="Override any config key (dotted for nested keys; value is YAML).",
+    )(func)
     func = click.option("--config", "config_path", type=click.Path(dir_okay=False),
                         help=f"YAML config file (default: {DEFAULT_CONFIG} if present).")(func)
     func = click.option("--port", type=int, help="Port to bind (0 = any free port).")(func)

@@ -9,7 +9,7 @@
     |   +-- TooLarge                413 too_large: body over max_request_bytes
     |   +-- BadCoordinates          422 bad_coordinates: rollout index / attempt out of range
     +-- JudgeError                  server/judge.py: one comparison could not be judged
-    |   +-- TransientJudgeError     retryable: connection error, cut body, 408/429/5xx, unusable answer
+    |   +-- TransientJudgeError     retryable: connection error, cut body, 408/429/5xx, bad answer
     |   +-- FatalJudgeError         not retryable: other 4xx, per-request deadline
     |   +-- JudgeFailed             the comparison failed for good (budget exhausted or fatal)
     +-- JudgeParseError             scoring.py: judge text has no usable verdict

@@ -29,7 +29,8 @@ def response_obj(text: str) -> dict[str, Any]:
 
 
 def answer(slot: int) -> str:
-    return f"Rayleigh scattering, version {slot}: " + "shorter wavelengths scatter more. " * (slot + 1)
+    tail = "shorter wavelengths scatter more. " * (slot + 1)
+    return f"Rayleigh scattering, version {slot}: {tail}"
 
 
 def body(slot: int | None, *, group: str | None = "g", attempt: int | None = 0,

@@ -225,7 +225,8 @@ async def test_supersession_cancels_old_judging_and_discards_late_result(
     for slot in range(N):
         t, outcome = out.results[f"old{slot}"]
         assert t == 5.0
-        assert isinstance(outcome, Failure) and (outcome.status, outcome.kind) == (503, "superseded")
+        assert isinstance(outcome, Failure)
+        assert (outcome.status, outcome.kind) == (503, "superseded")
         assert isinstance(out.results[f"new{slot}"][1], Rewarded)
     assert judge.calls == 2 * N and judge.finished == N
 

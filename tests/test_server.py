@@ -22,7 +22,18 @@ def verify_bytes(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
-async def post_all(client: httpx2.AsyncClient, bodies: list[dict[str, Any]]) -> list[httpx2.Response]:
+async def wait_for_cohorts(client: httpx2.AsyncClient, key: str, predicate: Any,
+                           timeout_s: float = 20.0) -> None:
+    """Poll GET /status until ``predicate(cohorts[key])``: the server is another party here, its
+    state is only visible over HTTP, so polling (bounded by a deadline) is the honest way."""
+    with trio.fail_after(timeout_s):
+        while not predicate((await client.get("/status")).json()["cohorts"][key]):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+async def post_all(
+    client: httpx2.AsyncClient, bodies: list[dict[str, Any]],
+) -> list[httpx2.Response]:
     results: list[httpx2.Response | None] = [None] * len(bodies)
 
     async def one(i: int) -> None:
@@ -106,8 +117,7 @@ async def test_bad_inputs_get_specific_errors_and_change_nothing() -> None:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waiting)
-            while (await client.get("/status")).json()["cohorts"]["waiters"] != 1:
-                await trio.sleep(0.01)
+            await wait_for_cohorts(client, "waiters", lambda n: n == 1)
             before = (await client.get("/status")).json()["cohorts"]
             cases: list[tuple[bytes, int, str, str]] = [
                 (b"{not json", 400, "bad_request", "not valid JSON"),
@@ -210,16 +220,10 @@ async def test_client_disconnect_releases_only_its_waiter() -> None:
             b"POST /verify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
 
-        async def cohort_state() -> dict[str, int]:
-            return (await client.get("/status")).json()["cohorts"]  # type: ignore[no-any-return]
-
-        with trio.fail_after(5.0):
-            while (await cohort_state())["waiters"] != 1:
-                await trio.sleep(0.01)
-            await stream.aclose()  # the client goes away
-            while (await cohort_state())["waiters"] != 0:
-                await trio.sleep(0.01)
-        assert (await cohort_state())["active_cohorts"] == 1  # its answer stays
+        await wait_for_cohorts(client, "waiters", lambda n: n == 1)
+        await stream.aclose()  # the client goes away
+        await wait_for_cohorts(client, "waiters", lambda n: n == 0)
+        assert (await client.get("/status")).json()["cohorts"]["active_cohorts"] == 1
         first, second = await post_all(client, [body(0, group="gone"), body(1, group="gone")])
         assert first.status_code == second.status_code == 200  # identical retry re-attaches
 
@@ -245,14 +249,13 @@ def test_sigterm_answers_200_waiting_members_and_exits_zero(tmp_path: Any) -> No
             async with httpx2.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
 
                 async def one(i: int) -> None:
-                    results.append(await client.post("/verify", json=body(i % 3, group=f"g{i // 3}")))
+                    member = body(i % 3, group=f"g{i // 3}")
+                    results.append(await client.post("/verify", json=member))
 
                 async with trio.open_nursery() as nursery:
                     for i in range(200):
                         nursery.start_soon(one, i)
-                    with trio.fail_after(20):
-                        while (await client.get("/status")).json()["cohorts"]["waiters"] < 200:
-                            await trio.sleep(0.05)
+                    await wait_for_cohorts(client, "waiters", lambda n: n >= 200)
                     proc.send_signal(signal.SIGTERM)
 
         trio.run(main)

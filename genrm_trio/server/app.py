@@ -42,7 +42,9 @@ def error_response(status: int, detail: str, failure_kind: str | None,
 async def _read_body() -> bytes:
     """The whole body, or :class:`TooLarge` past ``max_request_bytes``."""
     try:
-        return await request.get_data(cache=False)
+        data = await request.get_data(cache=False, as_text=False)
+        assert isinstance(data, bytes)
+        return data
     except RequestEntityTooLarge as exc:
         raise TooLarge(
             f"request body exceeds max_request_bytes ({request.max_content_length} bytes)"

@@ -51,7 +51,8 @@ async def _send_group(client: httpx2.AsyncClient, group: str, slots: range
 
     async def one(slot: int) -> None:
         answer = await client.post("/verify", json=_member(group, slot))
-        rows.append((slot, trio.current_time() - start, answer.json() | {"_status": answer.status_code}))
+        data = answer.json() | {"_status": answer.status_code}
+        rows.append((slot, trio.current_time() - start, data))
 
     async with trio.open_nursery() as nursery:
         for slot in slots:
