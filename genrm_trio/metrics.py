@@ -56,7 +56,8 @@ def _numeric(value: Any) -> float | None:
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, int | float):
-        as_float = float(value)
+        # + 0.0 folds -0.0 into 0.0, so equal values are also equal in every min/max/median.
+        as_float = float(value) + 0.0
         return as_float if math.isfinite(as_float) else None
     return None
 
@@ -147,13 +148,13 @@ def _rollout_info(row: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in row.items():
         if key.startswith("_") or key == MASK_KEY or _numeric(value) is None:
             continue
-        info[key] = int(value) if isinstance(value, bool) else value
+        info[key] = int(value) if isinstance(value, bool) else value + 0
     response = row.get("response")
     usage = response.get("usage") if isinstance(response, Mapping) else None
     if isinstance(usage, Mapping):
         for key, value in usage.items():
             if not key.startswith("_") and _numeric(value) is not None:
-                info[key] = int(value) if isinstance(value, bool) else value
+                info[key] = int(value) if isinstance(value, bool) else value + 0
     return info
 
 
@@ -222,7 +223,9 @@ def aggregate_metrics(
         rows = by_task[task]
         infos = sorted(
             (_rollout_info(r) for r in rows),
-            key=lambda info: (_sort_key(info[ROLLOUT_INDEX_KEY]), info["rollout_id"]),
+            key=lambda info: (
+                _sort_key(info[ROLLOUT_INDEX_KEY]), info["rollout_id"], _ENCODER.encode(info)
+            ),
         )
         expected = len(rows) + masked_by_task.get(task, 0)
         group: dict[str, Any] = {TASK_INDEX_KEY: task, **_profile(rows)}
