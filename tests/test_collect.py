@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -23,7 +24,13 @@ from genrm_trio.caller.aggregate import (
     metrics_path_for,
     split_classes,
 )
-from genrm_trio.caller.collect import CollectOptions, collect_cli, plan_groups
+from genrm_trio.caller.collect import (
+    CollectOptions,
+    Progress,
+    _show_progress,
+    collect_cli,
+    plan_groups,
+)
 from genrm_trio.metrics import aggregate_metrics, encode_metrics
 from genrm_trio.tools.mock_policy import (
     MockPolicyApp,
@@ -292,3 +299,16 @@ def test_mock_policy_cli_prints_one_line_and_exits_on_sigterm() -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+async def test_progress_prints_plain_lines_off_a_terminal(autojump_clock: trio.abc.Clock) -> None:
+    progress = Progress(total_rollouts=8, started_at=trio.current_time())
+    stream = io.StringIO()
+    progress.done, progress.masked, progress.failed, progress.in_flight = 3, 1, 0, 4
+    with trio.move_on_after(25):
+        await _show_progress(progress, stream, 10.0)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0] == (
+        "collect: 4/8 rollouts | done 3 masked 1 failed 0 in flight 4 | 0.4/s"
+    )

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 import trio
 from click.testing import CliRunner
@@ -294,3 +295,20 @@ async def test_group_admission_never_strands_a_cohort(tmp_path: Path) -> None:
     assert result.successes == 32 and result.failed == 0 and result.masked == 0
     assert read_jsonl(failures_path_for(out)) == []
     check_parity_and_guard(out, result, ())
+
+
+async def test_chat_policy_and_server_aggregate_metrics_agree(tmp_path: Path) -> None:
+    # A chat-completions policy works too; and the server's /aggregate_metrics (what NeMo Gym's
+    # own collector calls) gives the same metrics for the same rows.
+    async with stack(2) as s:
+        result = await collect(opts(s, tmp_path, tasks=2, policy_api="chat"))
+        rows = read_jsonl(tmp_path / "out.jsonl")
+        async with httpx2.AsyncClient(timeout=None, trust_env=False) as client:
+            with trio.fail_after(5):
+                answer = await client.post(
+                    f"{s.server_url}/aggregate_metrics", json={"verify_responses": rows}
+                )
+    assert result.exit_code == 0 and len(rows) == 4
+    assert all(r["response"]["output"][0]["content"][0]["text"] for r in rows)
+    assert answer.status_code == 200
+    assert answer.json() == json.loads(metrics_path_for(tmp_path / "out.jsonl").read_bytes())
