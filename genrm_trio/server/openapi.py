@@ -1,0 +1,183 @@
+"""The OpenAPI 3.1 document served at ``GET /openapi.json``.
+
+Built from the msgspec structs of :mod:`genrm_trio.wire` (``msgspec.json.schema_components``),
+so the published schema and the decoder that enforces it cannot drift apart. Pure: no I/O, no
+trio; the document is rebuilt per call (it is small and the route is rarely hit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from genrm_trio import wire
+
+_REF = "#/components/schemas/{name}"
+
+#: Failure kinds of contract 3.4, by status, for the error responses of ``/verify``.
+VERIFY_ERRORS: dict[str, tuple[str, ...]] = {
+    "400": ("bad_request",),
+    "409": ("conflict", "prompt_mismatch", "stale_attempt"),
+    "413": ("too_large",),
+    "422": ("bad_coordinates",),
+    "429": ("overloaded",),
+    "503": (
+        "cohort_incomplete", "superseded", "shutdown", "evaluation_error", "cancelled",
+    ),
+}
+
+
+def _error(description: str, kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"$ref": _REF.format(name="ErrorBody")}
+    if kinds:
+        schema = {
+            "allOf": [
+                schema,
+                {"type": "object", "properties": {"failure_kind": {"enum": list(kinds)}}},
+            ]
+        }
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _json_body(name: str) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
+    }
+
+
+def _verify_request_schema() -> dict[str, Any]:
+    """VerifyFields plus what the decoder checks beyond types, and open to unknown keys."""
+    return {
+        "allOf": [{"$ref": _REF.format(name="VerifyFields")}],
+        "type": "object",
+        "additionalProperties": True,
+        "properties": {
+            "responses_create_params": {
+                "type": "object",
+                "required": ["input"],
+                "properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array"}]}},
+            },
+            "_ng_group_attempt": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+            "_ng_rollout_index": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+        },
+    }
+
+
+def build_openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the HTTP API, as a JSON-ready dict. Never blocks or raises."""
+    _refs, components = msgspec.json.schema_components(
+        [wire.VerifyFields, wire.CompareRequest, wire.AggregateMetricsRequest, wire.ErrorBody],
+        ref_template=_REF,
+    )
+    components = dict(components)
+    components["VerifyRequest"] = _verify_request_schema()
+    components["VerifyAnswer"] = {
+        "type": "object",
+        "description": "The member's body plus the reward; masked judge failures set "
+        "mask_sample true, failure_kind 'judge_failed' and reward 0.0.",
+        "required": ["reward", "mask_sample", "failure_kind"],
+        "additionalProperties": True,
+        "properties": {
+            "reward": {"type": "number"},
+            "mask_sample": {"type": "boolean"},
+            "failure_kind": {"anyOf": [{"const": "judge_failed"}, {"type": "null"}]},
+            "failure_reason": {"anyOf": [{"type": "string", "maxLength": 2000},
+                                         {"type": "null"}]},
+            "_ng_group_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "_ng_group_attempt": {"type": "integer"},
+            "_ng_rollout_index": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        },
+    }
+    components["CompareAnswer"] = {
+        "type": "object",
+        "required": ["rewards", "comparison_results", "metrics"],
+        "properties": {
+            "rewards": {"type": "array", "items": {"type": "number"}},
+            "comparison_results": {"anyOf": [{"type": "array", "items": {"type": "object"}},
+                                             {"type": "null"}]},
+            "metrics": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+        },
+    }
+    ok_json: dict[str, Any] = {"description": "OK", "content": {"application/json": {}}}
+    paths: dict[str, Any] = {
+        "/verify": {
+            "post": {
+                "summary": "One cohort member; blocks until the cohort's outcome",
+                "operationId": "verify",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {
+                        "schema": {"$ref": _REF.format(name="VerifyRequest")}}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "Reward, or a masked judge failure",
+                        "content": {"application/json": {
+                            "schema": {"$ref": _REF.format(name="VerifyAnswer")}}},
+                    },
+                    **{
+                        status: _error(f"failure_kind: {', '.join(kinds)}", kinds)
+                        for status, kinds in VERIFY_ERRORS.items()
+                    },
+                },
+            }
+        },
+        "/compare": {
+            "post": {
+                "summary": "Stateless batch: judge the given responses now",
+                "operationId": "compare",
+                "requestBody": _json_body("CompareRequest"),
+                "responses": {
+                    "200": {
+                        "description": "Rewards in input order",
+                        "content": {"application/json": {
+                            "schema": {"$ref": _REF.format(name="CompareAnswer")}}},
+                    },
+                    "400": _error("bad_request", ("bad_request",)),
+                    "413": _error("too_large", ("too_large",)),
+                    "503": _error("judge_failed or evaluation_error",
+                                  ("judge_failed", "evaluation_error")),
+                },
+            }
+        },
+        "/aggregate_metrics": {
+            "post": {
+                "operationId": "aggregate_metrics",
+                "requestBody": _json_body("AggregateMetricsRequest"),
+                "responses": {"200": ok_json, "400": _error("bad_request", ("bad_request",))},
+            }
+        },
+        "/seed_session": {"post": {"operationId": "seed_session", "responses": {"200": ok_json}}},
+        "/close_session": {"post": {"operationId": "close_session",
+                                    "responses": {"200": ok_json}}},
+        "/health": {"get": {"operationId": "health", "responses": {"200": ok_json}}},
+        "/healthz": {"get": {"operationId": "healthz", "responses": {"200": ok_json}}},
+        "/readyz": {"get": {"operationId": "readyz", "responses": {
+            "200": ok_json, "503": _error("shutting down", ("shutdown",))}}},
+        "/status": {"get": {"operationId": "status", "responses": {"200": ok_json}}},
+        "/reverify_mode": {"get": {"operationId": "reverify_mode", "responses": {"200": ok_json}}},
+        "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
+            "description": "Prometheus text exposition",
+            "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "genrm-trio",
+            "version": _version(),
+            "description": "GenRM cohort judging, wire-compatible with NeMo Gym genrm_compare.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("genrm-trio")
+    except PackageNotFoundError:
+        return "0.0.0"
