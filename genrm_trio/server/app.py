@@ -117,7 +117,9 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio
     @app.post("/aggregate_metrics")
     async def aggregate_metrics() -> Response:
         body = wire.decode_aggregate(await _read_body())
-        return json_response(metrics_mod.aggregate_metrics(body.verify_responses))
+        metrics = metrics_mod.aggregate_metrics(body.verify_responses)
+        # The same canonical bytes `collect` and `aggregate` write to disk.
+        return Response(metrics_mod.encode_metrics(metrics), status=200, content_type=JSON)
 
     @app.get("/status")
     async def status() -> Response:

@@ -4,19 +4,26 @@ Starts the fault-injecting mock judge (same heuristic verdicts as the built-in j
 can be switched on), a genrm-trio server pointed at it, and sends four scripted cohorts of four
 rollouts each: one completes, one misses a member (collection deadline), one meets two judge
 faults and recovers within the retry budget, one meets a judge outage and is masked. Prints each
-member's outcome as a table. Everything binds 127.0.0.1 on free ports and stops by itself.
+member's outcome as a table. Then runs a real collection (8 tasks x 4 rollouts from the mock
+policy, through ``/verify``) and prints its metrics. Everything binds 127.0.0.1 on free ports,
+writes only to a temporary directory and stops by itself.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import sys
+import tempfile
 from functools import partial
+from pathlib import Path
 from typing import Any, TextIO
 
 import click
 import httpx2
 import trio
 
+from genrm_trio.caller.collect import CollectOptions, collect_main
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.server.serve import run_server
 from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
@@ -79,7 +86,7 @@ async def run_demo(out: TextIO) -> int:
             num_rollouts_per_prompt=N, port=0, cohort_collection_timeout_s=1.0,
             cohort_evaluation_timeout_s=10.0, genrm_parse_retries=3,
             genrm_parse_retry_sleep_s=0.05, judge_retry_backoff_max_s=0.5,
-            judge=JudgeConfig(base_urls=(judge_url,)),
+            judge=JudgeConfig(base_urls=(judge_url,), endpoint_cooldown_s=0.2),
         )
         stop = trio.Event()
         server_url = await nursery.start(partial(run_server, cfg, shutdown=stop))
@@ -107,9 +114,53 @@ async def run_demo(out: TextIO) -> int:
                 print(file=out)
                 if not all(expect in _outcome(data) for _s, _e, data in rows):
                     problems += 1
+        state.reset()
+        if not await _collection(server_url, out):
+            problems += 1
         stop.set()
         nursery.cancel_scope.cancel()
     return problems
+
+
+TASKS = [
+    "Why does ice float on water?",
+    "Name three prime numbers greater than 50.",
+    "What causes the seasons on Earth?",
+    "Explain recursion to a ten-year-old.",
+    "Why is the sky blue?",
+    "What is the difference between weather and climate?",
+    "How does a vaccine train the immune system?",
+    "Why do we have leap years?",
+]
+
+
+async def _collection(server_url: str, out: TextIO) -> bool:
+    """8 tasks x N rollouts through ``genrm-trio collect`` (embedded mock policy); prints the
+    artifacts and the headline metrics. Returns whether every rollout was rewarded."""
+    with tempfile.TemporaryDirectory(prefix="genrm-trio-demo-") as tmp:
+        tasks = Path(tmp) / "tasks.jsonl"
+        tasks.write_text("".join(
+            json.dumps({"responses_create_params": {"input": prompt}, "prompt_id": f"demo-{i}"})
+            + "\n" for i, prompt in enumerate(TASKS)))
+        output = Path(tmp) / "rollouts.jsonl"
+        result = await collect_main(
+            CollectOptions(input_path=str(tasks), output_path=str(output),
+                           server_url=server_url, num_repeats=N, max_concurrent_groups=4,
+                           progress_interval_s=60.0),
+            progress_stream=io.StringIO(),  # the table below is the demo's report
+        )
+        print(f"collection: {len(TASKS)} tasks x {N} rollouts from the mock policy: "
+              f"{result.successes} rewarded, {result.masked} masked, {result.failed} failed",
+              file=out)
+        metrics = result.metrics or {}
+        agent = metrics.get("agent_metrics", {})
+        for name in ("mean/reward", "std/reward", "min/reward", "max/reward", "median/reward"):
+            if name in agent:
+                print(f"  {name:<14} {agent[name]:.4f}", file=out)
+        print(f"  artifacts: {output.name}, {output.stem}_failures.jsonl, "
+              f"{output.stem}_aggregate_metrics.json (in a temporary directory, now removed)",
+              file=out)
+        return result.successes == len(TASKS) * N
 
 
 @click.command("demo")
