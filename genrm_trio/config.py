@@ -109,6 +109,7 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     model: str | None = None
     plugin: str | None = None
     plugin_flavor: Literal["trio", "asyncio"] = "trio"
+    transport: Literal["h11", "httpx"] = "h11"
     max_connections_per_client: int = 16
     endpoint_failure_threshold: int = 3
     endpoint_cooldown_s: float = 5.0

@@ -36,6 +36,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import h11
 import httpx2
 import msgspec
 import trio
@@ -258,6 +259,126 @@ class _Backend(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class _StaleConnection(Exception):
+    """A reused keep-alive connection was closed by the peer before any answer byte."""
+
+
+class _H11Connection:
+    __slots__ = ("stream", "h11")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    async def exchange(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+        reused: bool,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        conn = self.h11
+        await self.stream.send_all(
+            conn.send(h11.Request(method=method, target=target, headers=headers))
+            + conn.send(h11.Data(data=body))
+            + conn.send(h11.EndOfMessage())
+        )
+        status = 0
+        answer_headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+        received = False
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await self.stream.receive_some(65536)
+                if not data and reused and not received:
+                    raise _StaleConnection
+                received = received or bool(data)
+                conn.receive_data(data)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                answer_headers = list(event.headers)
+            elif isinstance(event, h11.Data):
+                chunks.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return status, answer_headers, b"".join(chunks)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise h11.RemoteProtocolError("connection closed before the answer ended")
+
+    @property
+    def reusable(self) -> bool:
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+
+class H11Transport(httpx2.AsyncBaseTransport):
+    """A lean HTTP/1.1 keep-alive transport for the judge's one-shot JSON calls (trio + h11).
+
+    Why: httpcore's pool costs several hundred microseconds of CPU per call under trio and its
+    scan grows with the pool; this one keeps idle connections on a stack per origin (O(1) check
+    out and in) and reads each answer whole. It speaks only what the judge needs: HTTP/1.1,
+    ``Content-Length`` or chunked answers, no compression, no proxies. Concurrency is bounded by
+    the judge's limiter, not here. A reused connection the peer already closed is retried once on
+    a fresh one (nothing reached the judge); every other failure surfaces as the httpx2
+    exception httpx would raise (ConnectError, ReadError, RemoteProtocolError), so the retry
+    classification is the same for both transports. Cancellation closes the connection in use.
+    """
+
+    def __init__(self, ssl_context: ssl.SSLContext, max_idle_per_origin: int = 1024) -> None:
+        self._ssl = ssl_context
+        self._max_idle = max_idle_per_origin
+        self._idle: dict[tuple[bytes, bytes, int], list[_H11Connection]] = {}
+
+    async def _connect(self, scheme: bytes, host: str, port: int) -> _H11Connection:
+        try:
+            stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+            if scheme == b"https":
+                tls = trio.SSLStream(stream, self._ssl, server_hostname=host)
+                await tls.do_handshake()
+                stream = tls
+        except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
+            raise httpx2.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+        return _H11Connection(stream)
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        url = request.url
+        scheme = url.raw_scheme
+        port = url.port or (443 if scheme == b"https" else 80)
+        origin = (scheme, url.raw_host, port)
+        headers = [
+            (k, b"identity" if k.lower() == b"accept-encoding" else v)
+            for k, v in request.headers.raw
+        ]
+        body = await request.aread()
+        idle = self._idle.setdefault(origin, [])
+        while True:
+            reused = bool(idle)
+            conn = idle.pop() if idle else await self._connect(scheme, url.host, port)
+            try:
+                status, answer_headers, content = await conn.exchange(
+                    request.method.encode(), url.raw_path, headers, body, reused
+                )
+            except _StaleConnection:
+                await trio.aclose_forcefully(conn.stream)
+                continue
+            except BaseException as exc:
+                await trio.aclose_forcefully(conn.stream)
+                if isinstance(exc, h11.ProtocolError):
+                    raise httpx2.RemoteProtocolError(str(exc) or "malformed answer") from exc
+                if isinstance(exc, (OSError, trio.BrokenResourceError, ssl.SSLError)):
+                    raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
+                raise
+            if conn.reusable and len(idle) < self._max_idle:
+                conn.h11.start_next_cycle()
+                idle.append(conn)
+            else:
+                await trio.aclose_forcefully(conn.stream)
+            return httpx2.Response(status, headers=answer_headers, content=content,
+                                   request=request)
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                await trio.aclose_forcefully(conn.stream)
+
+
 class _Shard:
     __slots__ = ("client", "in_flight")
 
@@ -315,6 +436,12 @@ class _HttpBackend:
         self._max_shards = max(1, math.ceil(max(1, cfg.judge_max_concurrency) / self._per_client))
         # One SSL context for every client: building one costs tens of ms of CPU each.
         self._ssl = ssl.create_default_context()
+        self._h11: H11Transport | None = None
+        if transport is None and cfg.judge.transport == "h11":
+            self._h11 = transport = H11Transport(self._ssl)
+            self._transport = transport
+            # One pooled client is enough: the transport's pool is O(1) per call.
+            self._max_shards = 1
         self._params = base_params(cfg)
         self._encoder = msgspec.json.Encoder()
         self._headers = {"content-type": "application/json", "accept": "application/json"}
@@ -329,6 +456,8 @@ class _HttpBackend:
             shards, endpoint.shards = endpoint.shards, []
             for shard in shards:
                 await shard.client.aclose()
+        if self._h11 is not None:
+            await self._h11.aclose()
 
     def _choose_endpoint(self) -> _Endpoint:
         now = trio.current_time()
