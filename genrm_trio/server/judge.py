@@ -397,10 +397,12 @@ class _Endpoint:
         "consecutive_failures",
         "cooling_until",
         "cooldown_started",
+        "url_obj",
     )
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.url_obj = httpx2.URL(url)
         self.display = _display_url(url)
         self.shards: list[_Shard] = []
         self.in_flight = 0
@@ -540,6 +542,12 @@ class _HttpBackend:
 
     async def _post(self, endpoint: _Endpoint, shard: _Shard, content: bytes) -> httpx2.Response:
         try:
+            if self._h11 is not None:
+                # Straight to the transport: the client's redirect, auth, cookie and URL-merging
+                # layers do nothing for a fixed JSON POST and cost a third of the call.
+                request = httpx2.Request("POST", endpoint.url_obj, headers=self._headers,
+                                         content=content)
+                return await self._h11.handle_async_request(request)
             return await shard.client.post(endpoint.url, content=content, headers=self._headers)
         except (httpx2.UnsupportedProtocol, httpx2.InvalidURL) as exc:
             raise AttemptFatal("config", f"judge {endpoint.display}: {exc}") from exc
