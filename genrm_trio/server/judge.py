@@ -34,7 +34,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import h11
 import httpx2
@@ -291,7 +291,7 @@ class _H11Connection:
                 if not data and reused and not received:
                     raise _StaleConnection
                 received = received or bool(data)
-                conn.receive_data(data)
+                conn.receive_data(cast(bytes, data))
             elif isinstance(event, h11.Response):
                 status = event.status_code
                 answer_headers = list(event.headers)

@@ -20,7 +20,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from genrm_trio.config import Config
-from genrm_trio.server.app import create_app
+from genrm_trio.server.app import create_app, with_verify_fast_path
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
@@ -80,7 +80,8 @@ async def _serve_in(
 
     async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(
-            app, _hypercorn_config(cfg), shutdown_trigger=shutdown_trigger,
+            with_verify_fast_path(app, cfg, registry), _hypercorn_config(cfg),
+            shutdown_trigger=shutdown_trigger,
             task_status=task_status,
         )
         registry.begin_shutdown()
