@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import select
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "LoadgenError",
     "MemberResult",
     "ProcStats",
+    "ReadableWatch",
     "TRANSPORT_ERROR",
     "count_fds",
     "drive_load",
@@ -104,11 +106,15 @@ class H11Client:
         body: bytes | None = None,
         *,
         sent: trio.Event | None = None,
+        on_sent: Callable[[int], None] | None = None,
+        hold: trio.Event | None = None,
     ) -> HttpAnswer:
         """Send one request and read its whole answer.
 
         Blocks until the answer's last byte (a ``/verify`` blocks until its cohort resolves).
-        ``sent`` is set once the request's last byte was handed to the kernel. Cancellation
+        Once the request's last byte was handed to the kernel, ``sent`` is set and ``on_sent``
+        gets the socket's file descriptor; with ``hold`` given, reading the answer waits until
+        it is set (so an outside observer can time the answer's arrival). Cancellation
         closes the connection, so the server sees the client go away. Raises
         :class:`LoadgenError` when the connection fails or the peer breaks HTTP.
         """
@@ -118,14 +124,14 @@ class H11Client:
             conn = await self._connect()
         try:
             try:
-                answer = await self._exchange(conn, method, path, body, sent)
+                answer = await self._exchange(conn, method, path, body, sent, on_sent, hold)
             except LoadgenError:
                 if not reused:
                     raise
                 # A kept-alive connection the server closed meanwhile: one fresh try.
                 await conn.aclose()
                 conn = await self._connect()
-                answer = await self._exchange(conn, method, path, body, sent)
+                answer = await self._exchange(conn, method, path, body, sent, on_sent, hold)
         except BaseException:
             await conn.aclose()
             raise
@@ -164,6 +170,8 @@ class H11Client:
         path: str,
         body: bytes | None,
         sent: trio.Event | None,
+        on_sent: Callable[[int], None] | None,
+        hold: trio.Event | None,
     ) -> HttpAnswer:
         headers = [(b"host", self._host_header)]
         if body is not None:
@@ -177,6 +185,10 @@ class H11Client:
             await conn.stream.send_all(out)
             if sent is not None:
                 sent.set()
+            if on_sent is not None:
+                on_sent(conn.stream.socket.fileno())
+            if hold is not None:
+                await hold.wait()
             status = 0
             chunks: list[bytes] = []
             while True:
@@ -360,7 +372,13 @@ def _member_result(index: int, answer: HttpAnswer | None, sent: float) -> Member
 
 
 async def send_member(
-    client: H11Client, body: bytes, index: int, *, sent: trio.Event | None = None
+    client: H11Client,
+    body: bytes,
+    index: int,
+    *,
+    sent: trio.Event | None = None,
+    on_sent: Callable[[int], None] | None = None,
+    hold: trio.Event | None = None,
 ) -> MemberResult:
     """POST one member and wait for its answer; transport failures become a result.
 
@@ -369,7 +387,9 @@ async def send_member(
     """
     start = time.perf_counter()
     try:
-        answer = await client.request("POST", "/verify", body, sent=sent)
+        answer = await client.request(
+            "POST", "/verify", body, sent=sent, on_sent=on_sent, hold=hold
+        )
     except LoadgenError:
         return _member_result(index, None, start)
     return _member_result(index, answer, start)
@@ -493,6 +513,39 @@ def read_proc_stats(pid: int) -> ProcStats:
             elif line.startswith("VmHWM:"):
                 peak = int(line.split()[1]) * 1024
     return ProcStats(cpu_s, rss, peak)
+
+
+class ReadableWatch:
+    """Times when sockets become readable (an answer arrived, or the peer closed), observed by
+    epoll from a worker thread so the load generator's own work never delays the stamp.
+
+    Register descriptors with :meth:`add` (from the trio thread), then run :meth:`watch` in a
+    thread (``trio.to_thread.run_sync``). Each descriptor is reported once (one-shot).
+    """
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self.registered = 0
+        self.seen: dict[int, float] = {}
+
+    def add(self, fd: int) -> None:
+        """Watch ``fd`` for data, hang-up or error. Non-blocking."""
+        mask = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+        self._epoll.register(fd, mask | select.EPOLLONESHOT)
+        self.registered += 1
+
+    def watch(self, limit_s: float) -> dict[int, float]:
+        """Blocks (thread) until every registered descriptor was readable once, or ``limit_s``
+        passed; returns fd -> ``time.perf_counter()`` when first seen readable, and closes the
+        epoll object."""
+        deadline = time.perf_counter() + limit_s
+        try:
+            while len(self.seen) < self.registered and time.perf_counter() < deadline:
+                for fd, _ in self._epoll.poll(0.05, 4096):
+                    self.seen.setdefault(fd, time.perf_counter())
+        finally:
+            self._epoll.close()
+        return self.seen
 
 
 def count_fds(pid: int) -> int:
