@@ -270,3 +270,25 @@ def test_sigterm_answers_200_waiting_members_and_exits_zero(tmp_path: Any) -> No
     assert len(results) == 200
     assert {r.status_code for r in results} == {503}
     assert {r.json()["failure_kind"] for r in results} == {"shutdown"}
+
+
+async def test_connection_close_requests_get_their_socket_closed() -> None:
+    """A client that sends `Connection: close` reads to EOF; the server must close its side
+    after the answer, on Quart routes and on the /verify fast path alike."""
+    cfg = Config(num_rollouts_per_prompt=1, port=0)
+    async with running_server(cfg) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        payload = verify_bytes(body(None, group=None))
+        for raw in (
+            b"GET /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            b"POST /verify HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload,
+        ):
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(raw)
+                received = b""
+                with trio.fail_after(5.0):
+                    while chunk := await stream.receive_some(65536):
+                        received += chunk
+            assert received.startswith(b"HTTP/1.1 200")

@@ -238,13 +238,25 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry)
     """The ASGI application served: ``POST /verify`` goes to :class:`VerifyEndpoint`,
     everything else (other routes, lifespan) to the quart-trio app."""
     verify = VerifyEndpoint(cfg, registry)
+    grace_s = cfg.shutdown_grace_s
 
     async def application(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/verify":
-            if scope["method"] == "POST":
-                await verify(scope, receive, send)
-                return
-        await app(scope, receive, send)
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def shielded_send(message: Any) -> None:
+            # Hypercorn closes a `Connection: close` socket inside the app's last send();
+            # quart-trio cancels its request nursery as soon as hypercorn reports the stream
+            # done, which cancelled that close half-way and left the client hanging. Shield the
+            # send (bounded: answers are small JSON) so the close always completes.
+            with trio.move_on_after(grace_s, shield=True):
+                await send(message)
+
+        if scope["path"] == "/verify" and scope["method"] == "POST":
+            await verify(scope, receive, shielded_send)
+        else:
+            await app(scope, receive, shielded_send)
 
     return application
 
