@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import shutil
 import subprocess
 import sys
@@ -58,29 +59,48 @@ async def main(args: argparse.Namespace) -> None:
     async with bench._rig(ctx, "ours", judge, bench.ServerSettings(n=args.n), label) as rig:
         bodies = loadgen.BodyFactory(seed=7, run_tag=rig.run_tag)
         await bench._warm_up(rig, bodies, args.n)
-        cmd = [pyspy, "record", "--pid", str(rig.server.pid), "--duration", str(args.seconds),
-               "--rate", "250", "--format", "raw", "--output", str(out), "--nonblocking"]
+        cmd = [
+            pyspy,
+            "record",
+            "--pid",
+            str(rig.server.pid),
+            "--duration",
+            str(round(args.seconds)),
+            "--rate",
+            "250",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+            "--nonblocking",
+        ]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                lambda: trio.run_process(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            )
-            plan = loadgen.LoadPlan(
-                n=args.n, k=args.k, max_cohorts=1_000_000, duration_s=args.seconds + 1.0
-            )
-            before = rig.stats()
-            result = await loadgen.drive_load(rig.client, bodies, plan)
-            after = rig.stats()
+            log = RESULTS / f"{label}.py-spy.log"
+            with log.open("wb") as err:
+                nursery.start_soon(
+                    functools.partial(
+                        trio.run_process, cmd, stdout=subprocess.DEVNULL, stderr=err, check=False
+                    )
+                )
+                plan = loadgen.LoadPlan(
+                    n=args.n, k=args.k, max_cohorts=1_000_000, duration_s=args.seconds + 1.0
+                )
+                before = rig.stats()
+                result = await loadgen.drive_load(rig.client, bodies, plan)
+                after = rig.stats()
     cohorts = sum(1 for c in result.cohorts if c.ok)
-    print(f"{result.verifies / result.wall_s:.0f} verifies/s, "
-          f"{1000 * (after.cpu_s - before.cpu_s) / max(cohorts, 1):.1f} ms CPU per cohort "
-          f"(under py-spy)")
+    print(
+        f"{result.verifies / result.wall_s:.0f} verifies/s, "
+        f"{1000 * (after.cpu_s - before.cpu_s) / max(cohorts, 1):.1f} ms CPU per cohort "
+        f"(under py-spy)"
+    )
     print(hot_spots(out, args.top))
     print(f"\ncollapsed stacks: {out}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--judge-ms", type=float, default=50.0)
