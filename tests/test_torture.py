@@ -231,7 +231,7 @@ async def test_http_torture_against_our_server_on_loopback() -> None:
                 url = await server.start(functools.partial(run_server, cfg, shutdown=stop))
                 summary = await torture.run_http_torture(
                     url, judge_url=judge_url, max_requests=60, time_limit_s=20,
-                    hang_after_s=5, seed=3)
+                    hang_after_s=5, seed=3, settle_s=2.5)
                 stop.set()
         nursery.cancel_scope.cancel()
     assert summary.violations == [], summary.violations

@@ -40,7 +40,7 @@ import msgspec
 import trio
 import trio.testing
 
-from genrm_trio import identity, scoring, wire
+from genrm_trio import scoring, wire
 from genrm_trio.config import Config
 from genrm_trio.errors import JudgeFailed
 from genrm_trio.server.cohort import CohortRegistry, Failure, Outcome, Rewarded
@@ -568,7 +568,8 @@ class _LocalRun:
             async with trio.open_nursery() as cohorts:
                 registry = self.registry_factory(self.cfg, self.judge, cohorts)
                 async with trio.open_nursery() as requests:
-                    for self.op_index, op in enumerate(self.schedule.ops):
+                    for index, op in enumerate(self.schedule.ops):
+                        self.op_index = index
                         await self.apply(op, registry, requests)
                         await trio.testing.wait_all_tasks_blocked()
                         self.check_step(op, registry)
@@ -742,6 +743,7 @@ async def run_http_torture(
     seed: int = 0,
     check_rewards: bool = True,
     strategy: str | None = None,
+    settle_s: float = 0.0,
 ) -> HttpSummary:
     """Drive a live ``/verify`` server over HTTP in rounds of a few groups each.
 
@@ -751,7 +753,9 @@ async def run_http_torture(
     connection closes mid-wait), and checks every answer against the contract. A request not
     answered within ``hang_after_s`` is cancelled and counted as hung. Bounded by
     ``max_requests`` and ``time_limit_s`` (wall clock). Rewards are compared with the heuristic
-    reference only in fault-free rounds, and only when ``check_rewards``.
+    reference only in fault-free rounds, and only when ``check_rewards``. With ``settle_s > 0``
+    the driver then waits that long (set it past the server's collection + evaluation deadlines)
+    and checks through ``GET /status`` that no cohort or waiter was left behind.
 
     Blocks until done; cancellation stops it (open requests are abandoned with their client).
     Raises ``httpx2.HTTPError`` only if the server cannot be reached at all at the start.
@@ -777,9 +781,10 @@ async def run_http_torture(
             raise click.UsageError(
                 "cannot tell the server's num_rollouts_per_prompt (>= 2 needed): pass "
                 "--num-rollouts")
+        chosen = strategy or server_cfg.get("comparison_strategy", "circular")
         ref_cfg = Config(
             num_rollouts_per_prompt=n,
-            comparison_strategy=strategy or server_cfg.get("comparison_strategy", "circular"),
+            comparison_strategy="all_pairs" if chosen == "all_pairs" else "circular",
             num_judges_per_comparison=int(server_cfg.get("num_judges_per_comparison", 1)),
         )
         judge = httpx2.AsyncClient(base_url=judge_url, timeout=httpx2.Timeout(10.0),
@@ -796,6 +801,16 @@ async def run_http_torture(
                                   fault, hang_after_s, check_rewards)
                 round_no += 1
                 summary.rounds = round_no
+            if settle_s > 0:
+                await trio.sleep(settle_s)
+                answer = await client.get("/status")
+                if answer.status_code == 200:
+                    cohorts = answer.json().get("cohorts", {})
+                    for name in ("active_cohorts", "waiters"):
+                        if cohorts.get(name):
+                            summary.violations.append(
+                                f"left behind {settle_s:g} s after the last round: "
+                                f"{name} = {cohorts[name]}")
         finally:
             if judge is not None:
                 with trio.move_on_after(5, shield=True):
@@ -829,10 +844,8 @@ async def _http_round(client: Any, rng: random.Random, summary: HttpSummary, cfg
     group_ids = [f"torture-{round_id}-g{g}" for g in range(groups)]
 
     async def one(req: _HttpRequest) -> None:
-        body = verify_body(0 if req.group < FIRST_LEGACY_GROUP else req.group, req.attempt,
-                           req.slot, req.variant, 0, ["", ""])
-        body["_ng_group_id"] = group_ids[req.group]
-        body.pop("_ng_task_index", None)
+        # Every HTTP group is an explicit-id group, unique to this run and round.
+        body = verify_body(0, req.attempt, req.slot, req.variant, 0, [group_ids[req.group]])
         body["response"] = response_object(answer_text(req.group, req.attempt, req.slot,
                                                        req.variant) + f" [{round_id}]")
         limit = req.disconnect_after_s if req.disconnect_after_s is not None else hang_after_s
@@ -910,7 +923,8 @@ def check_http_answer(status: int, body: Any, slot: int, attempt: int) -> str | 
         if body.get("mask_sample"):
             if body.get("failure_kind") != "judge_failed" or reward != 0.0:
                 return "masked 200 without failure_kind judge_failed and reward 0.0"
-            if not isinstance(body.get("failure_reason"), str) or len(body["failure_reason"]) > 2000:
+            reason = body.get("failure_reason")
+            if not isinstance(reason, str) or not 0 < len(reason) <= 2000:
                 return "masked 200 without a bounded failure_reason"
         elif body.get("failure_kind") is not None or body.get("mask_sample") is not False:
             return "unmasked 200 with failure markers"
@@ -969,11 +983,15 @@ def _print_local(summary: LocalSummary, seed: int) -> None:
 @click.option("--hang-after-s", type=float, default=60.0, show_default=True,
               help="--url: a request unanswered this long counts as hung (set above the "
                    "server's collection + evaluation deadlines).")
+@click.option("--settle-s", type=float, default=0.0, show_default=True,
+              help="--url: then wait this long and check GET /status for left-behind cohorts "
+                   "and waiters (set past the server's deadlines; 0 skips).")
 @click.option("--no-reward-check", is_flag=True,
               help="--url: do not compare rewards with the heuristic judge's reference.")
 def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str | None,
                 judge_url: str | None, num_rollouts: int | None, max_requests: int,
-                time_limit_s: float, hang_after_s: float, no_reward_check: bool) -> None:
+                time_limit_s: float, hang_after_s: float, settle_s: float,
+                no_reward_check: bool) -> None:
     """Torture the cohort lifecycle: random schedules of arrivals, duplicates, conflicts,
     disconnects, attempts, deadlines, judge faults and shutdown, checked against the contract.
 
@@ -997,7 +1015,7 @@ def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str |
     result = trio.run(functools.partial(
         run_http_torture, url, judge_url=judge_url, num_rollouts=num_rollouts,
         max_requests=max_requests, time_limit_s=time_limit_s, hang_after_s=hang_after_s,
-        seed=seed, check_rewards=not no_reward_check))
+        seed=seed, check_rewards=not no_reward_check, settle_s=settle_s))
     statuses = ", ".join(f"{k}: {v}" for k, v in sorted(result.statuses.items()))
     click.echo(f"torture --url {url}: {result.rounds} rounds, {result.requests} requests, "
                f"{result.disconnects} disconnects, {result.hung} hung, "
