@@ -196,6 +196,20 @@ def test_random_search_finds_a_bug_and_shrinks_it() -> None:
     assert any(isinstance(op, Arrive) for op in shrunk.ops)
 
 
+def test_a_failing_run_prints_the_shrunk_schedule_and_its_seed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    summary = torture.run_local(300, seed=0, registry_factory=_ShutdownBug)
+    assert summary.failing_seed is not None and summary.shrunk is not None
+    torture.print_local_summary(summary, 0)
+    out = capsys.readouterr().out
+    assert f"VIOLATION in schedule seed {summary.failing_seed}" in out
+    assert "Shutdown()" in out and "still waiting after shutdown" in out
+    assert f"--seed {summary.failing_seed} --schedules 1" in out
+    # The printed seed reproduces the failure.
+    again = torture.run_local(1, seed=summary.failing_seed, registry_factory=_ShutdownBug)
+    assert again.failing_seed == summary.failing_seed
+
+
 def test_cli_local_prints_a_summary_and_exits_zero() -> None:
     result = CliRunner().invoke(torture.torture_cli, ["--local", "--schedules", "60",
                                                       "--seed", "5"])

@@ -67,8 +67,9 @@ VERIFY_FAILURE_STATUS: dict[str, int] = {
 
 # ------------------------------------------------------------------------------ schedule model
 
-#: Judge behaviours a schedule can set per group: answer, JudgeFailed, never answer, crash.
-JUDGE_MODES = ("ok", "fail", "hang", "crash")
+#: Judge behaviours a schedule can set per group: answer, JudgeFailed, never answer, raise a
+#: non-judge error, answer a non-finite verdict (only a broken plugin could; reward must fail).
+JUDGE_MODES = ("ok", "fail", "hang", "crash", "nan")
 #: Virtual seconds. Odd values so no two timers of a schedule land on the same instant by
 #: accident (that keeps a schedule's outcome independent of trio's tie-breaking).
 COLLECTION_TIMEOUT_S = 10.0
@@ -189,7 +190,7 @@ def generate_schedule(rng: random.Random, max_ops: int = 24) -> Schedule:
         elif roll < 0.985:
             ops.append(JudgeMode(
                 group=rng.randrange(NUM_GROUPS),
-                mode=rng.choice(("ok", "ok", "fail", "hang", "crash")),
+                mode=rng.choice(("ok", "ok", "fail", "hang", "crash", "nan")),
                 delay_s=rng.choice(JUDGE_DELAYS_S),
             ))
         else:
@@ -282,7 +283,7 @@ class ScriptedJudge:
         self.calls += 1
         if mode != "ok" or delay_s >= EVALUATION_TIMEOUT_S:
             self.trouble.add(group)
-        if mode == "crash":
+        if mode in ("crash", "nan"):
             self.crashed.add(group)
         if delay_s:
             await trio.sleep(delay_s)
@@ -292,6 +293,8 @@ class ScriptedJudge:
             await trio.sleep_forever()
         if mode == "crash":
             raise RuntimeError(f"scripted judge crash for group {group}")
+        if mode == "nan":
+            return scoring.Verdict(math.nan, 3.0, 3.5)
         return reference_verdict(request.history, request.response_1, request.response_2)
 
 
@@ -674,14 +677,15 @@ class LocalSummary:
 
 
 def run_local(schedules: int, seed: int, max_ops: int = 24,
-              progress: Callable[[int], None] | None = None) -> LocalSummary:
+              progress: Callable[[int], None] | None = None,
+              registry_factory: RegistryFactory = CohortRegistry) -> LocalSummary:
     """Run ``schedules`` seeded schedules (schedule ``i`` uses seed ``seed + i``); stop at the
     first failing one, shrink it and keep its violations. Blocks (one trio run per schedule)."""
     summary = LocalSummary()
     started = time.perf_counter()
     for i in range(schedules):
         schedule = generate_schedule(random.Random(seed + i), max_ops)
-        report = run_schedule_sync(schedule)
+        report = run_schedule_sync(schedule, registry_factory)
         summary.schedules += 1
         summary.requests += report.requests
         summary.judge_calls += report.judge_calls
@@ -689,8 +693,8 @@ def run_local(schedules: int, seed: int, max_ops: int = 24,
         if report.violations:
             summary.failing_seed = seed + i
             summary.shrunk = shrink_schedule(
-                schedule, lambda s: bool(run_schedule_sync(s).violations))
-            summary.violations = run_schedule_sync(summary.shrunk).violations
+                schedule, lambda s: bool(run_schedule_sync(s, registry_factory).violations))
+            summary.violations = run_schedule_sync(summary.shrunk, registry_factory).violations
             break
         if progress is not None and (i + 1) % 1000 == 0:
             progress(i + 1)
@@ -945,7 +949,9 @@ def check_http_answer(status: int, body: Any, slot: int, attempt: int) -> str | 
 # ------------------------------------------------------------------------------ command line
 
 
-def _print_local(summary: LocalSummary, seed: int) -> None:
+def print_local_summary(summary: LocalSummary, seed: int) -> None:
+    """The ``--local`` report: counts, outcomes, and a failing schedule shrunk, with the seed
+    that reproduces it."""
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items()))
     click.echo(f"torture --local: {summary.schedules} schedules, {summary.requests} requests, "
                f"{summary.judge_calls} judge calls in {summary.wall_s:.1f} s (seed {seed})")
@@ -1009,7 +1015,7 @@ def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str |
         logging.getLogger("genrm_trio").setLevel(logging.CRITICAL)
         summary = run_local(schedules, seed, max_ops,
                             progress=lambda k: click.echo(f"  ... {k} schedules", err=True))
-        _print_local(summary, seed)
+        print_local_summary(summary, seed)
         sys.exit(1 if summary.shrunk is not None else 0)
     assert url is not None
     result = trio.run(functools.partial(
