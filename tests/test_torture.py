@@ -87,6 +87,7 @@ schedules = st.builds(
     max_terminal=st.sampled_from([1, 2, 8]),
     ttl_s=st.sampled_from([30.0, 3.0, None]),
     max_active=st.sampled_from([None, None, 2]),
+    judges=st.sampled_from([1, 1, 2]),
 )
 
 

@@ -140,6 +140,7 @@ class Schedule:
     max_terminal: int = 8
     ttl_s: float | None = 30.0
     max_active: int | None = None
+    judges: int = 1
 
     def config(self) -> Config:
         return Config(
@@ -151,12 +152,13 @@ class Schedule:
             max_terminal_cohorts=self.max_terminal,
             cohort_result_ttl_s=self.ttl_s,
             max_active_cohorts=self.max_active,
+            num_judges_per_comparison=self.judges,
         )
 
     def describe(self) -> str:
         head = (f"Schedule(n={self.n}, strategy={self.strategy!r}, eager={self.eager}, "
                 f"max_terminal={self.max_terminal}, ttl_s={self.ttl_s}, "
-                f"max_active={self.max_active})")
+                f"max_active={self.max_active}, judges={self.judges})")
         return "\n".join([head, *(f"  {i:3d}. {op!r}" for i, op in enumerate(self.ops))])
 
 
@@ -198,7 +200,8 @@ def generate_schedule(rng: random.Random, max_ops: int = 24) -> Schedule:
     return Schedule(
         ops=tuple(ops), n=n, strategy=rng.choice(("circular", "all_pairs")),
         eager=rng.random() < 0.3, max_terminal=rng.choice((2, 8)),
-        ttl_s=rng.choice((30.0, None)), max_active=rng.choice((None, None, 3)),
+        ttl_s=rng.choice((30.0, 3.0, None)), max_active=rng.choice((None, None, 3)),
+        judges=rng.choice((1, 1, 2)),
     )
 
 
@@ -429,7 +432,10 @@ class _LocalRun:
                        for r in self._earlier(req)):
                 self.violation(f"{label}: 'conflict' but no different answer was sent before")
         elif kind == "prompt_mismatch":
-            if not any(r.group == req.group and r.prompt != req.prompt
+            if not explicit:
+                self.violation(f"{label}: 'prompt_mismatch' for a legacy group, whose key "
+                               "includes the prompt")
+            elif not any(r.group == req.group and r.prompt != req.prompt
                        for r in self._earlier(req)):
                 self.violation(f"{label}: 'prompt_mismatch' but no other prompt was sent")
         elif kind == "cohort_incomplete":
@@ -447,6 +453,11 @@ class _LocalRun:
         elif kind == "overloaded":
             if self.schedule.max_active is None:
                 self.violation(f"{label}: 'overloaded' with no admission limit configured")
+            waiting = [r.index for r in self._earlier(req)
+                       if r.key == req.key and r.outcome is None and not r.disconnected]
+            if waiting:
+                self.violation(f"{label}: 'overloaded' for a member of an active cohort "
+                               f"(request {waiting[0]} waits on it)")
         elif kind == "cancelled":
             self.violation(f"{label}: 'cancelled' while nothing cancelled the registry")
 
