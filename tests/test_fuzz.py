@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from genrm_trio.config import Config
 from genrm_trio.server.openapi import build_openapi
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.torture import response_object
+from genrm_trio.tools.torture import response_object, run_http_fuzz
 
 N = 2
 FIELDS_SCHEMA = build_openapi()["components"]["schemas"]["VerifyFields"]
@@ -319,3 +319,15 @@ def _refs(node: Any) -> list[str]:
     if isinstance(node, list):
         return [r for v in node for r in _refs(v)]
     return []
+
+
+async def test_the_torture_tool_fuzzes_a_live_server_without_findings() -> None:
+    cfg = Config(num_rollouts_per_prompt=3, port=0, shutdown_grace_s=1.0)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(functools.partial(run_server, cfg, shutdown=stop))
+        summary = await run_http_fuzz(url, bodies=150, seed=11)
+        stop.set()
+    assert summary.violations == []
+    assert summary.bodies == 150
+    assert set(summary.statuses) == {400, 422}
