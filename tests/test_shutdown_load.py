@@ -87,7 +87,7 @@ async def _get_json(host: str, port: int, path: str) -> dict[str, object]:
 async def test_sigterm_answers_1000_waiters_with_503_shutdown(tmp_path: Path) -> None:
     _raise_fd_limit(4 * WAITERS)
     stderr_path = tmp_path / "serve.stderr"
-    with open(stderr_path, "wb") as stderr_file:
+    with stderr_path.open("wb") as stderr_file:  # noqa: ASYNC230 - before any task runs
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0",
              "--set", "num_rollouts_per_prompt=2", "--set", "cohort_collection_timeout_s=600",
