@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,16 @@ from genrm_trio.config import Config
 from genrm_trio.server.openapi import build_openapi
 from genrm_trio.server.serve import run_server
 from genrm_trio.tools.torture import response_object, run_http_fuzz
+
+# On a failure hypothesis writes a patch with libcst, whose import warns (DeprecationWarning);
+# with filterwarnings=error that would hide the falsifying example. Import it quietly first.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        import libcst.codemod  # noqa: F401
+        import libcst.metadata  # noqa: F401
+    except ImportError:
+        pass
 
 N = 2
 FIELDS_SCHEMA = build_openapi()["components"]["schemas"]["VerifyFields"]
