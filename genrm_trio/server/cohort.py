@@ -233,6 +233,7 @@ class CohortRegistry:
         failure = Failure(503, "shutdown", "the server is shutting down")
         for cohort in list(self._active.values()):
             self._fail(cohort, failure)
+        self._prune(trio.current_time())  # watermarks of groups that just went idle
         logger.info("shutdown: all active cohorts failed, new requests refused")
 
     def snapshot(self) -> dict[str, int]:
