@@ -488,11 +488,16 @@ async def _measured_load(
     rig: Rig, bodies: BodyFactory, plan: LoadPlan, judge_ms: float, **kw: Any
 ) -> RunRecord:
     before = rig.stats()
+    own_before = time.process_time()
     result = await loadgen.drive_load(rig.client, bodies, plan, **kw)
+    own_s = time.process_time() - own_before
     after = rig.stats()
     metrics, samples, notes = _load_metrics(
         result, after.cpu_s - before.cpu_s, after.peak_rss_bytes, judge_ms
     )
+    # The load generator's own CPU use: near 100% means the harness, not the server, is the
+    # limit of this run.
+    metrics["loadgen_cpu_pct"] = 100.0 * own_s / result.wall_s if result.wall_s else math.nan
     return RunRecord(metrics, samples, notes)
 
 
@@ -819,8 +824,8 @@ def release_case(
     (or the dropped connection) reached the load generator's socket, stamped by epoll in a
     thread while the waiters hold off reading, minus the trigger (for ``deadline``, its cohort's
     own deadline: first member's arrival, pinned by a ``/health`` round trip, plus the timeout).
-    ``disconnect``: when the server closed connections after the clients did, from its
-    open-descriptor count sampled about every millisecond (i-th close = i-th waiter).
+    ``disconnect``: every waiter socket is shut down at once from a thread, which then samples
+    the server's open-descriptor count (i-th close = i-th released waiter).
     """
     per = waiters // cohorts
     timeout_s = deadline_s if trigger == "deadline" else 3600.0
@@ -850,65 +855,65 @@ def release_case(
                 cohort_of[fd] = cohort
                 watch.add(fd)
 
-            async with trio.open_nursery() as sampler:
-                async with trio.open_nursery() as nursery:
-                    # Phase 1: open every cohort with one member, pinning its arrival time between
-                    # the end of its send and the next /health answer (one round trip).
-                    for c in range(cohorts):
-                        sent = trio.Event()
+            async with trio.open_nursery() as nursery:
+                # Phase 1: open every cohort with one member, pinning its arrival time between
+                # the end of its send and the next /health answer (one round trip).
+                for c in range(cohorts):
+                    sent = trio.Event()
 
-                        async def first(c: int = c, sent: trio.Event = sent) -> None:
-                            result = await loadgen.send_member(
-                                waiting_client,
-                                bodies.member(c, 0),
-                                0,
-                                sent=sent,
-                                on_sent=functools.partial(on_sent, c),
-                                hold=hold,
-                            )
-                            results.append((c, result))
-
-                        nursery.start_soon(first)
-                        await sent.wait()
-                        t_sent = time.perf_counter()
-                        await rig.ping()
-                        opened[c] = (t_sent + time.perf_counter()) / 2
-                    # Phase 2: the other members, as fast as the server accepts them.
-                    rest = [(c, i) for c in range(cohorts) for i in range(1, per)]
-                    all_sent = trio.Event()
-                    nursery.start_soon(
-                        functools.partial(
-                            _send_many,
-                            waiting,
-                            bodies,
-                            rest,
-                            results,
-                            all_sent=all_sent,
-                            on_sent=on_sent,
+                    async def first(c: int = c, sent: trio.Event = sent) -> None:
+                        result = await loadgen.send_member(
+                            waiting_client,
+                            bodies.member(c, 0),
+                            0,
+                            sent=sent,
+                            on_sent=functools.partial(on_sent, c),
                             hold=hold,
                         )
-                    )
-                    await all_sent.wait()
+                        results.append((c, result))
+
+                    nursery.start_soon(first)
+                    await sent.wait()
+                    t_sent = time.perf_counter()
                     await rig.ping()
-                    await _wait_idle(rig)
-                    notes["send_s"] = time.perf_counter() - min(opened.values())
-                    rss_mb = rig.stats().rss_bytes / 2**20
-                    if trigger == "disconnect":
-                        fds_full = loadgen.count_fds(pid)
-                        expected = min(fds_full - fds_idle, waiters)
-                        sampler.start_soon(_fd_release_times, pid, fds_full, expected, closes)
+                    opened[c] = (t_sent + time.perf_counter()) / 2
+                # Phase 2: the other members, as fast as the server accepts them.
+                rest = [(c, i) for c in range(cohorts) for i in range(1, per)]
+                all_sent = trio.Event()
+                nursery.start_soon(
+                    functools.partial(
+                        _send_many,
+                        waiting,
+                        bodies,
+                        rest,
+                        results,
+                        all_sent=all_sent,
+                        on_sent=on_sent,
+                        hold=hold,
+                    )
+                )
+                await all_sent.wait()
+                await rig.ping()
+                await _wait_idle(rig)
+                notes["send_s"] = time.perf_counter() - min(opened.values())
+                rss_mb = rig.stats().rss_bytes / 2**20
+                if trigger == "disconnect":
+                    fds_full = loadgen.count_fds(pid)
+                    expected = min(fds_full - fds_idle, waiters)
+                    t0, closes = await trio.to_thread.run_sync(
+                        _disconnect_and_time, pid, list(cohort_of), fds_full, expected
+                    )
+                    nursery.cancel_scope.cancel()
+                else:
+                    # The waiters do not read until the watch is over: the stamps come from
+                    # epoll in a thread, free of the load generator's own work.
+                    limit_s = deadline_s + 60.0 if trigger == "deadline" else 60.0
+                    if trigger == "sigterm":
                         t0 = time.perf_counter()
-                        nursery.cancel_scope.cancel()
-                    else:
-                        # The waiters do not read until the watch is over: the stamps come from
-                        # epoll in a thread, free of the load generator's own work.
-                        limit_s = deadline_s + 60.0 if trigger == "deadline" else 60.0
-                        if trigger == "sigterm":
-                            t0 = time.perf_counter()
-                            rig.server.process.send_signal(signal.SIGTERM)
-                        seen = await trio.to_thread.run_sync(watch.watch, limit_s)
-                        hold.set()
-                        _limit(nursery, 30.0)
+                        rig.server.process.send_signal(signal.SIGTERM)
+                    seen = await trio.to_thread.run_sync(watch.watch, limit_s)
+                    hold.set()
+                    _limit(nursery, 30.0)
             if trigger == "deadline":
                 release_ms = [
                     _ms(t - (opened[cohort_of[fd]] + deadline_s)) for fd, t in seen.items()
@@ -950,11 +955,25 @@ def _limit(nursery: trio.Nursery, limit_s: float) -> None:
     nursery.cancel_scope.deadline = trio.current_time() + limit_s
 
 
-async def _fd_release_times(pid: int, fds_full: int, expected: int, out: list[float]) -> None:
-    """Sample the server's descriptor count until ``expected`` descriptors have closed (or
-    120 s): the i-th close happened at the first sample (``time.perf_counter``) that shows i
-    closed, appended to ``out``. A process that is gone has closed everything."""
-    deadline = time.perf_counter() + 120.0
+def _disconnect_and_time(
+    pid: int, fds: list[int], fds_full: int, expected: int, limit_s: float = 120.0
+) -> tuple[float, list[float]]:
+    """Blocks (run it in a thread while the trio side idles). Shuts down every waiter socket at
+    once (``shutdown``, so the server sees the client go away now; the owning tasks close them
+    later), then samples the server's descriptor count until ``expected`` have closed or
+    ``limit_s`` passed. Returns the trigger time and, per closed descriptor, the first sample
+    (``time.perf_counter``) that showed it closed. A process that is gone has closed all."""
+    t0 = time.perf_counter()
+    for fd in fds:
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by the peer: nothing to trigger
+        finally:
+            sock.detach()
+    out: list[float] = []
+    deadline = time.perf_counter() + limit_s
     while len(out) < expected and time.perf_counter() < deadline:
         try:
             closed = fds_full - loadgen.count_fds(pid)
@@ -963,7 +982,8 @@ async def _fd_release_times(pid: int, fds_full: int, expected: int, out: list[fl
         now = time.perf_counter()
         while len(out) < min(closed, expected):
             out.append(now)
-        await trio.sleep(0.001)
+        time.sleep(0.0005)
+    return t0, out
 
 
 # -- presets -----------------------------------------------------------------------------------
@@ -1123,6 +1143,7 @@ def _describe(exc: BaseException) -> str:
 
 _SHOWN: dict[str, tuple[str, ...]] = {
     "throughput": (
+        "loadgen_cpu_pct",
         "verifies_per_s",
         "cpu_ms_per_cohort",
         "latency_p50_ms",
@@ -1358,7 +1379,8 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
             ax.set_ylabel("fraction of cohorts")
             ax.set_xscale("log")
             ax.grid(alpha=0.3)
-            ax.legend()
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
         fig.tight_layout()
         path = out_dir / "latency_cdf.png"
         fig.savefig(path, dpi=110)
@@ -1391,7 +1413,8 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
             ax.set_ylabel("verifies / s (median)")
             ax.set_title(f"throughput, {judge.replace('judge', 'judge ')}")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / "throughput_vs_k.png"
         fig.savefig(path, dpi=110)
@@ -1410,7 +1433,8 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
             ax.set_ylabel("fraction of waiters")
             ax.set_xscale("log")
             ax.grid(alpha=0.3)
-            ax.legend()
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
         fig.tight_layout()
         path = out_dir / "release_cdf.png"
         fig.savefig(path, dpi=110)
