@@ -122,6 +122,12 @@ async def serve_main(cfg: Config) -> None:
                 # collector's full passes so they stay short under load.
                 gc.collect()
                 gc.freeze()
+                # Young collections every 10,000 allocations instead of 700: a request's objects
+                # mostly die before a collection sees them, so far fewer reach the old
+                # generation, and full passes over what is live (thousands of open connections
+                # and waiters) stop dominating: with 4,096 idle keep-alive connections the
+                # default thresholds doubled CPU per cohort (bench preset steady_state).
+                gc.set_threshold(10_000, 10, 10)
             outer.cancel_scope.cancel()
     logger.info("stopped")
 
