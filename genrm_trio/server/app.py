@@ -175,6 +175,7 @@ class VerifyEndpoint:
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return
+        del raw  # the decoded body is what waits; the bytes need not wait with it
         if self._cfg.num_rollouts_per_prompt <= 1:
             await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
             return

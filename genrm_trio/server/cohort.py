@@ -75,12 +75,20 @@ class PairJudge(Protocol):
 
 
 class _Member:
-    __slots__ = ("digest", "response", "answer")
+    __slots__ = ("digest", "response", "_answer")
 
-    def __init__(self, digest: str, response: dict[str, Any], answer: str) -> None:
+    def __init__(self, digest: str, response: dict[str, Any]) -> None:
         self.digest = digest
         self.response = response
-        self.answer = answer
+        self._answer: str | None = None
+
+    @property
+    def answer(self) -> str:
+        """The final answer text, extracted when first judged (not while waiting: a waiting
+        member should hold no more memory than its request)."""
+        if self._answer is None:
+            self._answer = scoring.final_answer(self.response)
+        return self._answer
 
 
 class Cohort:
@@ -372,7 +380,7 @@ class CohortRegistry:
 
     def _add_member(self, cohort: Cohort, slot: int, digest: str, member: VerifyMember) -> None:
         response = member.fields.response
-        cohort.members[slot] = _Member(digest, response, scoring.final_answer(response))
+        cohort.members[slot] = _Member(digest, response)
         cohort.size_bytes += member.size_bytes
         self._active_bytes += member.size_bytes
         cohort.arrival.set()
