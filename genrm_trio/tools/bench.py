@@ -1341,7 +1341,8 @@ def write_outputs(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
     try:
         written += plot(results, out_dir)
     except ImportError:
-        pass
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')",
+              file=sys.stderr)
     return written
 
 
