@@ -675,11 +675,15 @@ def _redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, f"{parts.username}:***@{host}", parts.path, "", ""))
 
 
+def _is_secret_key(key: str) -> bool:
+    return bool(_SECRET_WORDS.intersection(key.lower().replace("-", "_").split("_")))
+
+
 def _redact(value: Any) -> Any:
     if isinstance(value, dict):
         return {
             k: "***"
-            if isinstance(k, str) and _SECRET_WORDS.intersection(k.lower().replace("-", "_").split("_"))
+            if isinstance(k, str) and _is_secret_key(k)
             else _redact(v)
             for k, v in value.items()
         }
