@@ -160,9 +160,11 @@ async def test_keep_alive_connection_survives_every_kind_of_answer() -> None:
             ("POST", "/close_session", b"{}"),
             ("GET", "/reverify_mode", b""),
             ("GET", "/nope", b""),
+            ("GET", "/verify", b""),
             ("POST", "/verify", ok),
         ])
-        assert [a[0] for a in answers] == [200, 400, 200, 200, 200, 200, 200, 404, 200]
+        assert [a[0] for a in answers] == [200, 400, 200, 200, 200, 200, 200, 404, 405, 200]
+        assert answers[8][1]["allow"] == "POST"
         first = json.loads(answers[0][2])
         assert first["reward"] == 3.0 and first["mask_sample"] is False  # N <= 1 short cut
         assert json.loads(answers[4][2]) == {"resources_session_id": "s-1"}

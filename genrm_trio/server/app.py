@@ -254,10 +254,17 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry)
             with trio.move_on_after(grace_s, shield=True):
                 await send(message)
 
-        if scope["path"] == "/verify" and scope["method"] == "POST":
+        if scope["path"] != "/verify":
+            await app(scope, receive, shielded_send)
+        elif scope["method"] == "POST":
             await verify(scope, receive, shielded_send)
         else:
-            await app(scope, receive, shielded_send)
+            await _send_json(
+                shielded_send, 405,
+                wire.error_body(f"method {scope['method']} not allowed on /verify; use POST",
+                                "bad_request"),
+                [(b"allow", b"POST")],
+            )
 
     return application
 
