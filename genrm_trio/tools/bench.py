@@ -1357,36 +1357,44 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
     written: list[Path] = []
     colors = {"ours": "tab:blue", "nemo": "tab:orange"}
 
-    def cdf(ax: Any, values: list[float], label: str, color: str) -> None:
-        if values:
-            xs = sorted(values)
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step(xs, ys, where="post", label=label, color=color)
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
 
-    lat_cases = [
-        r
-        for r in results
-        if r.preset in ("latency", "tail", "staggered", "smoke")
-        or (r.preset == "throughput" and r.label.startswith("n16-k16"))
-    ]
-    if lat_cases:
-        fig, axes = plt.subplots(1, len(lat_cases), figsize=(5 * len(lat_cases), 4), squeeze=False)
-        for ax, r in zip(axes[0], lat_cases, strict=True):
+    def cdf_figure(cases: list[CaseResult], sample: str, title: Callable[[CaseResult], str],
+                   xlabel: str, ylabel: str, name: str) -> None:
+        """One panel per case: the CDF of ``sample`` for each server, log x axis."""
+        if not cases:
+            return
+        fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+        for ax, r in zip(axes[0], cases, strict=True):
             for kind, runs in r.runs.items():
-                vals = [v for run in runs for v in run.samples.get("latency_ms", [])]
-                cdf(ax, vals, kind, colors[kind])
-            ax.set_title(f"{r.preset} {r.label}", fontsize=9)
-            ax.set_xlabel("last send -> last reward (ms)")
-            ax.set_ylabel("fraction of cohorts")
+                xs = sorted(max(v, 0.01) for run in runs for v in run.samples.get(sample, []))
+                if xs:
+                    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                    ax.step(xs, ys, where="post", label=kind, color=colors[kind])
+            ax.set_title(title(r), fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
             ax.set_xscale("log")
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend()
-        fig.tight_layout()
-        path = out_dir / "latency_cdf.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        save(fig, name)
+
+    cdf_figure(
+        [
+            r
+            for r in results
+            if r.preset in ("latency", "tail", "staggered", "smoke")
+            or (r.preset == "throughput" and r.label.startswith("n16-k16"))
+        ],
+        "latency_ms", lambda r: f"{r.preset} {r.label}",
+        "last send -> last reward (ms)", "fraction of cohorts", "latency_cdf.png",
+    )
 
     tp = [r for r in results if r.preset == "throughput"]
     if tp:
@@ -1416,31 +1424,13 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "throughput_vs_k.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        save(fig, "throughput_vs_k.png")
 
-    rel = [r for r in results if r.preset == "release"]
-    if rel:
-        fig, axes = plt.subplots(1, len(rel), figsize=(5 * len(rel), 4), squeeze=False)
-        for ax, r in zip(axes[0], rel, strict=True):
-            for kind, runs in r.runs.items():
-                vals = [max(v, 0.01) for run in runs for v in run.samples.get("release_ms", [])]
-                cdf(ax, vals, kind, colors[kind])
-            ax.set_title(f"release of 10,000 waiters: {r.label}", fontsize=9)
-            ax.set_xlabel("trigger -> released (ms)")
-            ax.set_ylabel("fraction of waiters")
-            ax.set_xscale("log")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend()
-        fig.tight_layout()
-        path = out_dir / "release_cdf.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+    cdf_figure(
+        [r for r in results if r.preset == "release"],
+        "release_ms", lambda r: f"release of 10,000 waiters: {r.label}",
+        "trigger -> released (ms)", "fraction of waiters", "release_cdf.png",
+    )
     return written
 
 
