@@ -275,20 +275,27 @@ class _H11Connection:
         reused: bool,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         conn = self.h11
-        await self.stream.send_all(
-            conn.send(h11.Request(method=method, target=target, headers=headers))
-            + conn.send(h11.Data(data=body))
-            + conn.send(h11.EndOfMessage())
-        )
+        received = False
+        try:
+            await self.stream.send_all(
+                conn.send(h11.Request(method=method, target=target, headers=headers))
+                + conn.send(h11.Data(data=body))
+                + conn.send(h11.EndOfMessage())
+            )
+        except (trio.BrokenResourceError, OSError):
+            if reused:  # the peer closed this idle connection; nothing reached the judge
+                raise _StaleConnection from None
+            raise
         status = 0
         answer_headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
-        received = False
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 data = await self.stream.receive_some(65536)
                 if not data and reused and not received:
+                    # Closed while idle (its keep-alive ran out). A reset here is not retried
+                    # this way: the judge may have received the request.
                     raise _StaleConnection
                 received = received or bool(data)
                 conn.receive_data(cast(bytes, data))
