@@ -1,8 +1,11 @@
-"""HTTP routes (quart-trio): decode, call the registry, encode. Errors become JSON statuses.
+"""HTTP routes: decode, call the registry, encode. Errors become JSON statuses.
 
+``POST /verify``, the hot path, is a plain ASGI handler (:class:`VerifyEndpoint`) placed in front
+of the quart-trio app by :func:`with_verify_fast_path`; every other route is a quart-trio route.
 Every route reads the whole request body before answering (an unread body can hang the next
-keep-alive request on the same connection), and every documented condition is a JSON answer with
-``detail`` and ``failure_kind``; an unexpected exception is the only way to a 500.
+keep-alive request on the same connection; a body refused as too large closes the connection
+instead), and every documented condition is a JSON answer with ``detail`` and ``failure_kind``;
+an unexpected exception is the only way to a 500.
 """
 
 from __future__ import annotations
