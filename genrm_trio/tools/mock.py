@@ -42,6 +42,7 @@ import yaml
 
 from genrm_trio import scoring
 from genrm_trio.errors import ConfigError
+from genrm_trio.tools.openai_shapes import chat_completion, output_message, responses_object
 
 __all__ = [
     "Fault",
@@ -377,53 +378,18 @@ def _answer_body(
     status = "incomplete" if incomplete else "completed"
     input_tokens = request_bytes // 4
     output_tokens = len(text) // 4 + 1
+    now = int(time.time())
     if path == RESPONSES_PATH:
-        return _json_encode(
-            {
-                "id": f"resp_mock_{call_no:08d}",
-                "object": "response",
-                "created_at": int(time.time()),
-                "status": status,
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "error": None,
-                "model": judged.model,
-                "output": [
-                    {
-                        "type": "message",
-                        "role": "assistant",
-                        "id": f"msg_mock_{call_no:08d}",
-                        "status": status,
-                        "content": [{"type": "output_text", "text": text, "annotations": []}],
-                    }
-                ],
-                "parallel_tool_calls": False,
-                "tool_choice": "auto",
-                "tools": [],
-                "usage": {
-                    "input_tokens": input_tokens,
-                    "output_tokens": output_tokens,
-                    "total_tokens": input_tokens + output_tokens,
-                },
-            }
-        )
-    body: dict[str, Any] = {
-        "id": f"chatcmpl-mock-{call_no:08d}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": judged.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length" if incomplete else "stop",
-            }
-        ],
-        "usage": {
-            "prompt_tokens": input_tokens,
-            "completion_tokens": output_tokens,
-            "total_tokens": input_tokens + output_tokens,
-        },
-    }
+        return _json_encode(responses_object(
+            ident=f"resp_mock_{call_no:08d}", model=judged.model, created_at=now,
+            status=status, output=[output_message(f"msg_mock_{call_no:08d}", text, status)],
+            input_tokens=input_tokens, output_tokens=output_tokens,
+        ))
+    body = chat_completion(
+        ident=f"chatcmpl-mock-{call_no:08d}", model=judged.model, created=now, text=text,
+        finish_reason="length" if incomplete else "stop", prompt_tokens=input_tokens,
+        completion_tokens=output_tokens,
+    )
     if incomplete:
         body["status"] = "incomplete"
     return _json_encode(body)

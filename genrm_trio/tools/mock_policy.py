@@ -28,6 +28,8 @@ import msgspec
 import trio
 import yaml
 
+from genrm_trio.tools.openai_shapes import chat_completion, output_message, responses_object
+
 log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -130,59 +132,26 @@ def _responses_object(
                 "summary": [{"type": "summary_text", "text": thought}],
             }
         )
-    output.append(
-        {
-            "type": "message",
-            "id": f"msg_{ident}",
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }
-    )
+    output.append(output_message(f"msg_{ident}", text))
     input_tokens = _count_tokens(body.get("input"))
     output_tokens = len(text.split()) + reasoning_tokens
-    return {
-        "id": f"resp_{ident}",
-        "object": "response",
-        "created_at": 0,
-        "model": body.get("model") or settings.model,
-        "status": "completed",
-        "output": output,
-        "parallel_tool_calls": False,
-        "tool_choice": "auto",
-        "tools": [],
-        "usage": {
-            "input_tokens": input_tokens,
-            "output_tokens": output_tokens,
-            "total_tokens": input_tokens + output_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        },
-    }
+    return responses_object(
+        ident=f"resp_{ident}", model=body.get("model") or settings.model, created_at=0,
+        status="completed", output=output, input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        output_tokens_details={"reasoning_tokens": reasoning_tokens},
+    )
 
 
 def _chat_object(
     settings: MockPolicySettings, body: dict[str, Any], text: str, rng: random.Random
 ) -> dict[str, Any]:
-    prompt_tokens = _count_tokens(body.get("messages"))
-    completion_tokens = len(text.split())
-    return {
-        "id": f"chatcmpl-{rng.getrandbits(64):016x}",
-        "object": "chat.completion",
-        "created": 0,
-        "model": body.get("model") or settings.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+    return chat_completion(
+        ident=f"chatcmpl-{rng.getrandbits(64):016x}", model=body.get("model") or settings.model,
+        created=0, text=text, finish_reason="stop",
+        prompt_tokens=_count_tokens(body.get("messages")),
+        completion_tokens=len(text.split()),
+    )
 
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
