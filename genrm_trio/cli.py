@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import click
@@ -20,7 +21,7 @@ from genrm_trio.errors import ConfigError
 
 DEFAULT_CONFIG = os.path.join("configs", "default.yaml")
 
-_LAZY_COMMANDS = {
+_LAZY_COMMANDS = MappingProxyType({
     "mock-judge": ("genrm_trio.tools.mock", "mock_judge_cli"),
     "mock-policy": ("genrm_trio.tools.mock_policy", "mock_policy_cli"),
     "collect": ("genrm_trio.caller.collect", "collect_cli"),
@@ -28,7 +29,7 @@ _LAZY_COMMANDS = {
     "bench": ("genrm_trio.tools.bench", "bench_cli"),
     "torture": ("genrm_trio.tools.torture", "torture_cli"),
     "demo": ("genrm_trio.tools.demo", "demo_cli"),
-}
+})
 
 
 class _LazyGroup(click.Group):

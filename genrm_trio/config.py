@@ -39,6 +39,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
@@ -544,7 +545,7 @@ _BACKTICKED = re.compile(r"`([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`")
 _INDEX = re.compile(r"\[(\d+)\]")
 _TYPE_WORDS = re.compile(r"\b(array|object)\b")
-_TYPE_NAMES = {"array": "list", "object": "mapping"}
+_TYPE_NAMES = MappingProxyType({"array": "list", "object": "mapping"})
 
 
 def _path_to_key(path: str) -> str:

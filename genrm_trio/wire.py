@@ -8,6 +8,7 @@ through :class:`VerifyFields`, so msgspec's error names the JSON path (``$.respo
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -18,7 +19,9 @@ JSON_ENCODER = msgspec.json.Encoder()
 JSON_DECODER = msgspec.json.Decoder()
 
 #: Old NeMo Gym spellings accepted on input; answers use only the ``_ng_`` names.
-IDENTITY_ALIASES = {"group_id": "_ng_group_id", "group_attempt": "_ng_group_attempt"}
+IDENTITY_ALIASES = MappingProxyType(
+    {"group_id": "_ng_group_id", "group_attempt": "_ng_group_attempt"}
+)
 
 LEGACY_GUIDANCE = (
     " To recover, resend the whole group with a fresh _ng_group_id shared by every member"

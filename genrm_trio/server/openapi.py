@@ -7,6 +7,8 @@ trio; the document is rebuilt per call (it is small and the route is rarely hit)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -16,7 +18,7 @@ from genrm_trio import wire
 _REF = "#/components/schemas/{name}"
 
 #: Failure kinds of contract 3.4, by status, for the error responses of ``/verify``.
-VERIFY_ERRORS: dict[str, tuple[str, ...]] = {
+VERIFY_ERRORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "400": ("bad_request",),
     "409": ("conflict", "prompt_mismatch", "stale_attempt"),
     "413": ("too_large",),
@@ -25,7 +27,7 @@ VERIFY_ERRORS: dict[str, tuple[str, ...]] = {
     "503": (
         "cohort_incomplete", "superseded", "shutdown", "evaluation_error", "cancelled",
     ),
-}
+})
 
 
 def _error(description: str, kinds: tuple[str, ...] | None = None) -> dict[str, Any]:

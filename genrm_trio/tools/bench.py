@@ -29,10 +29,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, BinaryIO
 
 import click
@@ -1000,7 +1001,7 @@ def _throughput_cases() -> list[Case]:
     ]
 
 
-PRESETS: dict[str, Callable[[], list[Case]]] = {
+PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "smoke": lambda: [
         load_case(
             "smoke",
@@ -1034,7 +1035,7 @@ PRESETS: dict[str, Callable[[], list[Case]]] = {
             "tail", "k1-n16-judge50ms", n=16, k=1, judge_ms=50.0, duration_s=120.0, max_cohorts=400
         ),
     ],
-}
+})
 """Preset name -> its cases. ``all`` runs every preset but ``smoke``, in this order."""
 
 
@@ -1141,7 +1142,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-_SHOWN: dict[str, tuple[str, ...]] = {
+_SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "throughput": (
         "loadgen_cpu_pct",
         "verifies_per_s",
@@ -1190,7 +1191,7 @@ _SHOWN: dict[str, tuple[str, ...]] = {
         "fresh_k1_latency_p50_ms",
         "steady_k1_latency_p50_ms",
     ),
-}
+})
 
 
 def _fmt(x: float | None) -> str:

@@ -31,8 +31,9 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import click
@@ -49,7 +50,7 @@ from genrm_trio.server.judge import JudgeRequest
 logger = logging.getLogger(__name__)
 
 #: Failure kinds a ``/verify`` request may be answered with (contract 3.3/3.4), by HTTP status.
-VERIFY_FAILURE_STATUS: dict[str, int] = {
+VERIFY_FAILURE_STATUS: Mapping[str, int] = MappingProxyType({
     "judge_failed": 200,
     "bad_request": 400,
     "too_large": 413,
@@ -63,7 +64,7 @@ VERIFY_FAILURE_STATUS: dict[str, int] = {
     "shutdown": 503,
     "evaluation_error": 503,
     "cancelled": 503,
-}
+})
 
 # ------------------------------------------------------------------------------ schedule model
 
@@ -959,7 +960,7 @@ def check_http_answer(status: int, body: Any, slot: int, attempt: int) -> str | 
 
 # ------------------------------------------------------------------------------ HTTP fuzzing
 
-_WRONG_VALUES: dict[str, tuple[Any, ...]] = {
+_WRONG_VALUES: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "string": ("text", ""),
     "integer": (7, -3),
     "number": (2.5, -0.125),
@@ -967,7 +968,7 @@ _WRONG_VALUES: dict[str, tuple[Any, ...]] = {
     "array": ([], [1, "x"]),
     "object": ({}, {"k": [None]}),
     "null": (None,),
-}
+})
 
 
 @dataclass(slots=True)
