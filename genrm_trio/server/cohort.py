@@ -95,8 +95,8 @@ class Cohort:
     """One cohort's live state. Owned by the registry; mutated only by registry methods."""
 
     __slots__ = (
-        "key", "size", "prompt_digest", "group_id", "attempt", "history", "principle",
-        "phase", "members", "digests", "rewards", "failure", "waiters", "size_bytes",
+        "key", "size", "prompt_digest", "history", "principle",
+        "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done",
     )
@@ -108,8 +108,6 @@ class Cohort:
         self.key = key
         self.size = size
         self.prompt_digest = prompt_digest
-        self.group_id = key.group_id
-        self.attempt = key.attempt
         self.history = history
         self.principle = principle
         self.phase = Phase.COLLECTING
@@ -117,7 +115,6 @@ class Cohort:
         self.digests: tuple[str, ...] = ()
         self.rewards: tuple[float, ...] = ()
         self.failure: Failure | None = None
-        self.waiters = 0
         self.size_bytes = 0
         self.opened_at = opened_at
         self.scope = trio.CancelScope()
@@ -130,7 +127,7 @@ class Cohort:
 
     @property
     def legacy(self) -> bool:
-        return self.group_id is None
+        return self.key.group_id is None
 
 
 class _Record:
@@ -221,12 +218,10 @@ class CohortRegistry:
             return admitted
         cohort = admitted
         slot = member.fields.rollout_index or 0
-        cohort.waiters += 1
         self._waiters += 1
         try:
             await cohort.done.wait()
         finally:
-            cohort.waiters -= 1
             self._waiters -= 1
         outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot])
         self.counters[_outcome_label(outcome)] += 1
@@ -352,7 +347,7 @@ class CohortRegistry:
             for old in [c for a, c in older.items() if a < attempt]:
                 self._fail(old, Failure(
                     503, "superseded",
-                    f"group {_short(group_id)!r}: attempt {old.attempt} was superseded by "
+                    f"group {_short(group_id)!r}: attempt {old.key.attempt} was superseded by "
                     f"attempt {attempt}",
                 ))
 
@@ -484,8 +479,8 @@ class CohortRegistry:
         self._retire(cohort)
         self.counters["cohorts_completed"] += 1
         logger.info(
-            "%s completed: rewards %s", identity.describe(cohort.key),
-            [round(r, 4) for r in cohort.rewards],
+            "%s completed after %.3f s: rewards %s", identity.describe(cohort.key),
+            trio.current_time() - cohort.opened_at, [round(r, 4) for r in cohort.rewards],
         )
         cohort.done.set()
 
@@ -501,8 +496,8 @@ class CohortRegistry:
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
         logger.info(
-            "%s failed (%s): %s", identity.describe(cohort.key), failure.kind,
-            bound_text(failure.detail, 300),
+            "%s failed (%s) after %.3f s: %s", identity.describe(cohort.key), failure.kind,
+            trio.current_time() - cohort.opened_at, bound_text(failure.detail, 300),
         )
         cohort.done.set()
         cohort.scope.cancel()
