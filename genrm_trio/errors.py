@@ -8,7 +8,7 @@
     |   +-- BadRequest              400 bad_request: not JSON, not an object, wrong type ($.path)
     |   +-- TooLarge                413 too_large: body over max_request_bytes
     |   +-- BadCoordinates          422 bad_coordinates: rollout index / attempt out of range
-    +-- JudgeError                  server/judge.py: one comparison could not be judged
+    +-- JudgeError                  server/judge/: one comparison could not be judged
     |   +-- TransientJudgeError     retryable: connection error, cut body, 408/429/5xx, bad answer
     |   +-- FatalJudgeError         not retryable: other 4xx, per-request deadline
     |   +-- JudgeFailed             the comparison failed for good (budget exhausted or fatal)

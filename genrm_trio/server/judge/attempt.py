@@ -1,0 +1,45 @@
+"""What one judge attempt takes and what it can raise: the request and the two attempt errors.
+
+Every other file of the judge package speaks in these terms: a backend attempt either returns
+the answer text or raises :class:`AttemptFailed` (transient: retried within the comparison's
+budget) or :class:`AttemptFatal` (the comparison ends at once).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from genrm_trio.errors import FatalJudgeError, TransientJudgeError
+
+#: Longest error text that leaves the judge (failure reasons, logs).
+MAX_ERROR_CHARS = 300
+
+
+class JudgeRequest(msgspec.Struct, frozen=True):
+    """One comparison: the conversation, the two final answers, and the request's principle."""
+
+    history: list[dict[str, str]]
+    response_1: str
+    response_2: str
+    principle: str | None = None
+
+
+class AttemptFailed(TransientJudgeError):
+    """One attempt failed in a retryable way; ``reason`` is a short metrics label."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float | None = None) -> None:
+        self.reason = reason
+        super().__init__(message, retry_after_s)
+
+
+class AttemptFatal(FatalJudgeError):
+    """One attempt failed in a way that ends the comparison at once."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+def timeout_fatal(timeout_s: float) -> AttemptFatal:
+    """The error of an attempt that ran out of ``judge_request_timeout_s``."""
+    return AttemptFatal("timeout", f"judge request timed out after {timeout_s} s")

@@ -1,0 +1,131 @@
+"""The HTTP backend: one attempt = body, endpoint choice, one POST under the per-request
+deadline, and the answer's classification (verdict text, retryable, or fatal)."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from typing import Any
+
+import msgspec
+import trio
+
+from genrm_trio.config import Config
+from genrm_trio.server.judge.answers import chat_answer, responses_answer
+from genrm_trio.server.judge.attempt import (
+    AttemptFailed,
+    AttemptFatal,
+    JudgeRequest,
+    timeout_fatal,
+)
+from genrm_trio.server.judge.bodies import base_params, chat_body, responses_body
+from genrm_trio.server.judge.endpoints import Endpoint, Endpoints, display_url, endpoint_url
+from genrm_trio.server.judge.h11_pool import H11Pool
+from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport, HttpxTransport
+from genrm_trio.server.judge.retry_after import parse_retry_after
+from genrm_trio.server.judge.transport import Answer, Transport
+
+_BODY_SNIPPET_CHARS = 120
+
+
+class HttpBackend:
+    """Judge endpoints over HTTP: endpoint choice, transport, protocol, classification."""
+
+    kind = "http"
+
+    def __init__(
+        self,
+        cfg: Config,
+        api_key: str | None,
+        transport: HttpxBaseTransport | None,
+    ) -> None:
+        self._cfg = cfg
+        self._api = cfg.judge.api
+        urls = [endpoint_url(u, self._api) for u in cfg.judge.base_urls]
+        if api_key:
+            # httpx turns URL user info into Basic auth, which would replace the bearer token.
+            urls = [display_url(u) for u in urls]
+        self._endpoints = Endpoints(cfg, urls)
+        # One SSL context for every client: building one costs tens of ms of CPU each.
+        ssl_context = ssl.create_default_context()
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        # The lean pool, unless httpx2 is asked for (or a test hands in an httpx2 transport).
+        self._transport: Transport
+        if transport is None and cfg.judge.transport == "h11":
+            self._transport = H11Pool(ssl_context, headers)
+        else:
+            self._transport = HttpxTransport(cfg, ssl_context, headers, transport)
+        self._params = base_params(cfg)
+        self._encoder = msgspec.json.Encoder()
+        self._build = responses_body if self._api == "responses" else chat_body
+        self._extract = responses_answer if self._api == "responses" else chat_answer
+
+    async def aclose(self) -> None:
+        """Close every connection. Blocks while connections close; the caller bounds it."""
+        await self._transport.aclose()
+
+    async def call(self, request: JudgeRequest) -> str:
+        content = self._encoder.encode(self._build(self._cfg, self._params, request))
+        endpoint = self._endpoints.choose()
+        endpoint.picks += 1
+        endpoint.in_flight += 1
+        # None: the attempt was cancelled from outside, which says nothing about the endpoint.
+        endpoint_failed: bool | None = None
+        try:
+            timeout_s = self._cfg.judge_request_timeout_s
+            try:
+                with trio.move_on_after(timeout_s) as deadline:
+                    answer = await self._transport.post(endpoint, content)
+            except AttemptFailed:
+                endpoint_failed = True
+                raise
+            except AttemptFatal:
+                endpoint_failed = False
+                raise
+            if deadline.cancelled_caught:
+                endpoint_failed = True
+                raise timeout_fatal(timeout_s)
+            endpoint_failed = answer.status >= 500
+            return self._classify(endpoint, answer)
+        finally:
+            endpoint.in_flight -= 1
+            if endpoint_failed is not None:
+                self._endpoints.record(endpoint, endpoint_failed)
+
+    def _classify(self, endpoint: Endpoint, response: Answer) -> str:
+        code = response.status
+        if 200 <= code < 300:
+            try:
+                body = msgspec.json.decode(response.content)
+            except msgspec.DecodeError as exc:
+                raise AttemptFailed(
+                    "unusable", f"judge {endpoint.display}: unusable answer: body is not JSON"
+                ) from exc
+            try:
+                return self._extract(body)
+            except AttemptFailed as exc:
+                raise AttemptFailed(exc.reason, f"judge {endpoint.display}: {exc}") from None
+        message = f"judge {endpoint.display}: HTTP {code}"
+        if code in (408, 429) or code >= 500:
+            retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
+            raise AttemptFailed(f"http_{code}", message, retry_after)
+        snippet = response.content[: _BODY_SNIPPET_CHARS * 4].decode("utf-8", "replace")
+        snippet = snippet[:_BODY_SNIPPET_CHARS].strip()
+        raise AttemptFatal(f"http_{code}", f"{message} (not retried): {snippet}".rstrip(": "))
+
+    def status(self) -> dict[str, Any]:
+        now = trio.current_time()
+        return {
+            "endpoints": [
+                {
+                    "url": e.display,
+                    "in_flight": e.in_flight,
+                    "consecutive_failures": e.consecutive_failures,
+                    "cooling_down": e.cooling(now),
+                    "clients": self._transport.clients(e),
+                }
+                for e in self._endpoints.all
+            ]
+        }

@@ -1,0 +1,243 @@
+"""The retry loop: :class:`Judge` (one comparison with its whole budget) and :func:`open_judge`.
+
+Per attempt the loop takes one token of the global ``CapacityLimiter(judge_max_concurrency)``
+and calls the backend; between attempts it backs off (full jitter, at least the judge's
+``Retry-After``). Every message that leaves the judge passes through :meth:`Judge._safe`, which
+removes the api key and bounds the length.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from genrm_trio import scoring
+from genrm_trio.config import Config
+from genrm_trio.errors import ConfigError, JudgeFailed, JudgeParseError
+from genrm_trio.server import _aio
+from genrm_trio.server.judge.attempt import (
+    MAX_ERROR_CHARS,
+    AttemptFailed,
+    AttemptFatal,
+    JudgeRequest,
+)
+from genrm_trio.server.judge.backends import Backend, BuiltinBackend, PluginBackend, load_plugin
+from genrm_trio.server.judge.endpoints import display_url
+from genrm_trio.server.judge.http_backend import HttpBackend
+from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class JudgeStats:
+    """Plain counters for ``/metrics``, owned by one :class:`Judge` (monotonic, never reset).
+
+    ``failures_by_reason`` counts failed *attempts* by reason (``http_503``, ``transport``,
+    ``timeout``, ``unusable``, ``parse``, ``plugin``, ...); ``comparisons_failed`` counts
+    comparisons that ended in :class:`~genrm_trio.errors.JudgeFailed`.
+    """
+
+    comparisons: int = 0
+    calls: int = 0
+    retries: int = 0
+    transient_errors: int = 0
+    unusable_answers: int = 0
+    parse_failures: int = 0
+    defaulted_comparisons: int = 0
+    comparisons_failed: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+    latency_seconds_sum: float = 0.0
+    backoff_seconds_sum: float = 0.0
+
+
+class Judge:
+    """Judges comparisons with a bounded retry budget. Obtain one from :func:`open_judge`.
+
+    Safe to share between any number of trio tasks of the run that opened it.
+    """
+
+    def __init__(self, cfg: Config, backend: Backend, api_key: str | None, rng: random.Random):
+        self._cfg = cfg
+        self._backend = backend
+        self._api_key = api_key
+        self._rng = rng
+        self._limiter = trio.CapacityLimiter(max(1, cfg.judge_max_concurrency))
+        self.stats = JudgeStats()
+
+    @property
+    def kind(self) -> str:
+        """``http``, ``plugin`` or ``builtin``."""
+        return self._backend.kind
+
+    async def judge_pair(self, request: JudgeRequest) -> scoring.Verdict:
+        """Judge one comparison, using its whole retry budget.
+
+        Blocks until a verdict or a final failure. Each attempt holds one token of the global
+        limiter (not while backing off) and runs under ``judge_request_timeout_s``. Backoff
+        sleeps are ``trio.sleep``, so an outer deadline cuts them. An outer cancellation raises
+        ``trio.Cancelled`` at once and aborts the attempt in flight.
+
+        Returns the parsed verdict, or the default verdict when the budget ran out and some
+        attempt did give a usable (but unparseable) answer. Raises
+        :class:`~genrm_trio.errors.JudgeFailed` (short text, no api key) on a non-retryable
+        error, a per-request timeout, or an exhausted budget without any usable answer.
+        """
+        cfg = self._cfg
+        stats = self.stats
+        attempts = max(1, cfg.genrm_parse_retries + 1)
+        stats.comparisons += 1
+        usable_seen = False
+        last_error = "no attempt made"
+        retry_after: float | None = None
+        for k in range(attempts):
+            if k:
+                stats.retries += 1
+                delay = self._backoff_s(k - 1, retry_after)
+                stats.backoff_seconds_sum += delay
+                await trio.sleep(delay)
+            retry_after = None
+            try:
+                text = await self._attempt(request)
+            except AttemptFatal as exc:
+                self._count(exc.reason)
+                stats.comparisons_failed += 1
+                raise JudgeFailed(self._safe(str(exc))) from None
+            except AttemptFailed as exc:
+                self._count(exc.reason)
+                stats.transient_errors += 1
+                if exc.reason == "unusable":
+                    stats.unusable_answers += 1
+                last_error = str(exc)
+                retry_after = exc.retry_after_s
+                continue
+            usable_seen = True
+            try:
+                return scoring.parse_judge_output(text, cfg.default_score, cfg.default_ranking)
+            except JudgeParseError as exc:
+                self._count("parse")
+                stats.parse_failures += 1
+                last_error = f"unparseable answer: {exc}"
+        if usable_seen:
+            stats.defaulted_comparisons += 1
+            log.warning(
+                "judge answers unparseable after %d attempts; default verdict used (%s)",
+                attempts,
+                self._safe(last_error),
+            )
+            return scoring.Verdict(cfg.default_score, cfg.default_score, cfg.default_ranking)
+        stats.comparisons_failed += 1
+        raise JudgeFailed(
+            self._safe(f"no completed answer after {attempts} attempts: {last_error}")
+        )
+
+    async def _attempt(self, request: JudgeRequest) -> str:
+        async with self._limiter:
+            self.stats.calls += 1
+            started = trio.current_time()
+            try:
+                return await self._backend.call(request)
+            finally:
+                self.stats.latency_seconds_sum += trio.current_time() - started
+
+    def _backoff_s(self, k: int, retry_after_s: float | None) -> float:
+        """Full jitter: uniform(0, min(cap, base * 2**k)), and at least the judge's hint."""
+        cap = self._cfg.judge_retry_backoff_max_s
+        high = min(cap, self._cfg.genrm_parse_retry_sleep_s * 2.0 ** min(k, 64))
+        delay = self._rng.uniform(0.0, high) if high > 0 else 0.0
+        if retry_after_s is not None:
+            delay = max(delay, retry_after_s)
+        return delay
+
+    def _count(self, reason: str) -> None:
+        reasons = self.stats.failures_by_reason
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def _safe(self, text: str) -> str:
+        if self._api_key:
+            text = text.replace(self._api_key, "***")
+        if len(text) > MAX_ERROR_CHARS:
+            text = text[: MAX_ERROR_CHARS - 3] + "..."
+        return text
+
+    def status(self) -> dict[str, Any]:
+        """Snapshot for ``GET /status``: backend kind, api, endpoints, limiter. No secrets."""
+        snapshot: dict[str, Any] = {
+            "kind": self._backend.kind,
+            "api": self._cfg.judge.api if self._backend.kind == "http" else None,
+            "limiter": {
+                "in_use": self._limiter.borrowed_tokens,
+                "total": int(self._limiter.total_tokens),
+            },
+        }
+        snapshot.update(self._backend.status())
+        return snapshot
+
+
+def _read_api_key(cfg: Config) -> str | None:
+    env = cfg.judge.api_key_env
+    if not env:
+        return None
+    key = os.environ.get(env)
+    if not key:
+        raise ConfigError("judge.api_key_env", f"environment variable {env!r} is not set")
+    return key
+
+
+@asynccontextmanager
+async def open_judge(
+    cfg: Config,
+    *,
+    transport: HttpxBaseTransport | None = None,
+    rng: random.Random | None = None,
+) -> AsyncIterator[Judge]:
+    """Open the configured judge for the lifetime of the block.
+
+    Backend: ``judge.plugin`` set -> the plugin (asyncio ones on a trio-asyncio loop owned
+    here); else ``judge.base_urls`` non-empty -> HTTP; else the built-in heuristic judge (a
+    warning is logged: rewards are synthetic). The api key is read from the environment once,
+    here. ``transport`` (tests: an ``httpx2`` transport) replaces the network for every client.
+
+    Raises :class:`~genrm_trio.errors.ConfigError` for a plugin that cannot be loaded or a
+    missing api key variable. On exit the HTTP clients are closed under a shielded scope
+    bounded by ``shutdown_grace_s``; judge calls must have ended by then.
+    """
+    api_key = _read_api_key(cfg)
+    chosen_rng = rng if rng is not None else random.Random()
+    async with AsyncExitStack() as stack:
+        backend: Backend
+        if cfg.judge.plugin:
+            fn = load_plugin(cfg.judge.plugin)
+            bridge = None
+            if cfg.judge.plugin_flavor == "asyncio":
+                bridge = await stack.enter_async_context(_aio.open_asyncio_bridge())
+            backend = PluginBackend(cfg, fn, bridge)
+            log.info("judge: plugin %s (%s)", cfg.judge.plugin, cfg.judge.plugin_flavor)
+        elif cfg.judge.base_urls:
+            http = HttpBackend(cfg, api_key, transport)
+            stack.push_async_callback(_close_shielded, http, cfg.shutdown_grace_s)
+            backend = http
+            log.info(
+                "judge: %s API at %s",
+                cfg.judge.api,
+                ", ".join(display_url(u) for u in cfg.judge.base_urls),
+            )
+        else:
+            backend = BuiltinBackend(cfg)
+            log.warning(
+                "judge: no judge configured, using the built-in heuristic judge: "
+                "rewards are synthetic"
+            )
+        yield Judge(cfg, backend, api_key, chosen_rng)
+
+
+async def _close_shielded(http: HttpBackend, grace_s: float) -> None:
+    with trio.move_on_after(grace_s, shield=True):
+        await http.aclose()
