@@ -19,11 +19,15 @@ import msgspec
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from genrm_trio import scoring
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.errors import ConfigError, JudgeFailed
 from genrm_trio.server.judge import (
+    CLOSE_BOUND_S,
+    MAX_HINT_S,
     Judge,
     JudgeRequest,
     chat_body,
@@ -298,13 +302,93 @@ async def test_retry_after_below_backoff_does_not_shorten_it(
 def test_parse_retry_after_forms() -> None:
     now = 1_700_000_000.0  # Tue, 14 Nov 2023 22:13:20 GMT
     assert parse_retry_after("12", now) == 12.0
-    assert parse_retry_after(" 1.5 ", now) == 1.5
+    assert parse_retry_after(" 12\t", now) == 12.0  # whitespace around a field value
+    assert parse_retry_after("0", now) == 0.0
+    assert parse_retry_after("007", now) == 7.0
     assert parse_retry_after("Tue, 14 Nov 2023 22:13:50 GMT", now) == 30.0
     assert parse_retry_after("Tue, 14 Nov 2023 22:00:00 GMT", now) == 0.0  # in the past
+    assert parse_retry_after("Tuesday, 14-Nov-23 22:13:50 GMT", now) == 30.0  # RFC 850
+    assert parse_retry_after("Tue Nov 14 22:13:50 2023", now) == 30.0  # asctime
+    assert parse_retry_after("Tue Nov  7 22:13:20 2023", now) == 0.0
     assert parse_retry_after(None, now) is None
-    assert parse_retry_after("soon", now) is None
-    assert parse_retry_after("-3", now) is None
-    assert parse_retry_after("nan", now) is None
+
+
+@pytest.mark.parametrize("value", [
+    "1e3", "+5", "1_0", "-1", "-3", "1.5", " 1.5 ", "nan", "inf", "0x10", "soon", "", "1 2",
+    "\u0661\u0662",  # Arabic-Indic digits: str.isdigit() says yes, RFC 9110 says DIGIT is ASCII
+    "Tue, 14 Nov 2023 22:13:50 UTC", "Tue, 31 Feb 2023 22:13:50 GMT",
+    "Tue, 14 Nov 2023 25:13:50 GMT", "Tue, 14 Nov 99999 22:13:50 GMT",
+    "Tue Nov 14 22:13:50 0000", "Tue, 14 Nov 2023 22:13:50 +0000", "14 Nov 2023 22:13:50 GMT",
+])
+def test_parse_retry_after_rejects_what_rfc_9110_does_not_allow(value: str) -> None:
+    assert parse_retry_after(value, 1_700_000_000.0) is None
+
+
+def test_parse_retry_after_caps_huge_hints() -> None:
+    assert parse_retry_after("9" * 5000, 0.0) == MAX_HINT_S
+    assert parse_retry_after("1000000000000000", 0.0) == MAX_HINT_S
+    assert parse_retry_after("Fri, 31 Dec 9999 23:59:59 GMT", 0.0) == pytest.approx(253402300799)
+
+
+@given(st.text(max_size=40))
+def test_parse_retry_after_never_raises(value: str) -> None:
+    result = parse_retry_after(value, 1_700_000_000.0)
+    assert result is None or 0.0 <= result <= MAX_HINT_S
+
+
+async def test_retry_after_beyond_the_enclosing_deadline_fails_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(httpx2.Response(429, headers={"Retry-After": "100"}), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with trio.move_on_after(30.0), pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+        assert trio.current_time() == 0.0
+    assert script.calls == 1
+    message = str(info.value)
+    assert "Retry-After" in message and "100 s" in message and "30.0 s left" in message
+    assert "HTTP 429" in message
+    assert judge.stats.comparisons_failed == 1
+    assert judge.stats.backoff_seconds_sum == 0.0
+
+
+async def test_retry_after_within_the_deadline_is_waited_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(httpx2.Response(429, headers={"Retry-After": "29"}), responses_ok())
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with trio.fail_after(30.0):
+            assert await judge.judge_pair(REQUEST) == VERDICT
+    assert script.times == [0.0, 29.0]
+    assert judge.stats.backoff_seconds_sum == 29.0
+
+
+async def test_backoff_metric_counts_only_completed_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(httpx2.Response(503))
+    cfg = make_cfg(genrm_parse_retry_sleep_s=4.0)
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with trio.move_on_after(6.0):  # waits of 4 s (completed) then 8 s (cut at 2 s)
+            await judge.judge_pair(REQUEST)
+    assert script.times == [0.0, 4.0]
+    assert judge.stats.backoff_seconds_sum == 4.0
+
+
+class HangingClose(httpx2.MockTransport):
+    async def aclose(self) -> None:
+        await trio.sleep_forever()
+
+
+async def test_closing_the_judge_is_bounded_by_a_small_constant(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(responses_ok())
+    cfg = make_cfg(judge={"transport": "httpx"}, shutdown_grace_s=30.0)
+    async with open_judge(cfg, transport=HangingClose(script), rng=MaxRng()) as judge:
+        await judge.judge_pair(REQUEST)
+        closing_from = trio.current_time()
+    assert trio.current_time() - closing_from == CLOSE_BOUND_S == 0.5
 
 
 async def test_backoff_is_capped(autojump_clock: trio.testing.MockClock) -> None:
@@ -381,8 +465,9 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
 
 
 async def test_outer_cancel_cuts_backoff(autojump_clock: trio.testing.MockClock) -> None:
-    script = Script(httpx2.Response(429, headers={"Retry-After": "100"}), responses_ok())
-    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+    script = Script(httpx2.Response(503), responses_ok())
+    cfg = make_cfg(genrm_parse_retry_sleep_s=100.0, judge_retry_backoff_max_s=100.0)
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
         with trio.move_on_after(3.0):
             await judge.judge_pair(REQUEST)
         assert trio.current_time() == 3.0

@@ -31,10 +31,12 @@ from genrm_trio.server.judge.attempt import AttemptFailed, AttemptFatal, JudgeRe
 from genrm_trio.server.judge.backends import PluginFn, load_plugin
 from genrm_trio.server.judge.bodies import base_params, chat_body, responses_body
 from genrm_trio.server.judge.h11_pool import H11Pool
-from genrm_trio.server.judge.retry import Judge, JudgeStats, open_judge
-from genrm_trio.server.judge.retry_after import parse_retry_after
+from genrm_trio.server.judge.retry import CLOSE_BOUND_S, Judge, JudgeStats, open_judge
+from genrm_trio.server.judge.retry_after import MAX_HINT_S, parse_retry_after
 
 __all__ = [
+    "CLOSE_BOUND_S",
+    "MAX_HINT_S",
     "AttemptFailed",
     "AttemptFatal",
     "H11Pool",

@@ -35,6 +35,9 @@ from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport
 
 log = logging.getLogger(__name__)
 
+#: How long closing the judge's connections may take at exit (seconds).
+CLOSE_BOUND_S = 0.5
+
 
 @dataclass(slots=True)
 class JudgeStats:
@@ -99,10 +102,12 @@ class Judge:
         retry_after: float | None = None
         for k in range(attempts):
             if k:
+                if retry_after is not None:
+                    self._check_hint(retry_after, last_error)
                 stats.retries += 1
                 delay = self._backoff_s(k - 1, retry_after)
-                stats.backoff_seconds_sum += delay
                 await trio.sleep(delay)
+                stats.backoff_seconds_sum += delay  # completed waits only
             retry_after = None
             try:
                 text = await self._attempt(request)
@@ -146,6 +151,19 @@ class Judge:
                 return await self._backend.call(request)
             finally:
                 self.stats.latency_seconds_sum += trio.current_time() - started
+
+    def _check_hint(self, retry_after_s: float, last_error: str) -> None:
+        """Fail the comparison now if the judge's Retry-After outlasts the enclosing deadline
+        (the cohort's evaluation deadline, a cancel scope around this call): sleeping it out
+        would only end in "deadline exceeded" and hide the cause."""
+        left = trio.current_effective_deadline() - trio.current_time()
+        if retry_after_s > left:
+            self.stats.comparisons_failed += 1
+            raise JudgeFailed(self._safe(
+                f"judge asked to wait {retry_after_s:g} s before retrying (Retry-After), "
+                f"longer than the {left:.1f} s left of the evaluation deadline; "
+                f"last error: {last_error}"
+            ))
 
     def _backoff_s(self, k: int, retry_after_s: float | None) -> float:
         """Full jitter: uniform(0, min(cap, base * 2**k)), and at least the judge's hint."""
@@ -207,7 +225,8 @@ async def open_judge(
 
     Raises :class:`~genrm_trio.errors.ConfigError` for a plugin that cannot be loaded or a
     missing api key variable. On exit the HTTP clients are closed under a shielded scope
-    bounded by ``shutdown_grace_s``; judge calls must have ended by then.
+    bounded by :data:`CLOSE_BOUND_S` (a constant, not another ``shutdown_grace_s``: shutdown
+    has already spent its grace); judge calls must have ended by then.
     """
     api_key = _read_api_key(cfg)
     chosen_rng = rng if rng is not None else random.Random()
@@ -222,7 +241,7 @@ async def open_judge(
             log.info("judge: plugin %s (%s)", cfg.judge.plugin, cfg.judge.plugin_flavor)
         elif cfg.judge.base_urls:
             http = HttpBackend(cfg, api_key, transport)
-            stack.push_async_callback(_close_shielded, http, cfg.shutdown_grace_s)
+            stack.push_async_callback(_close_shielded, http)
             backend = http
             log.info(
                 "judge: %s API at %s",
@@ -238,6 +257,9 @@ async def open_judge(
         yield Judge(cfg, backend, api_key, chosen_rng)
 
 
-async def _close_shielded(http: HttpBackend, grace_s: float) -> None:
-    with trio.move_on_after(grace_s, shield=True):
+async def _close_shielded(http: HttpBackend) -> None:
+    with trio.move_on_after(CLOSE_BOUND_S, shield=True) as scope:
         await http.aclose()
+    if scope.cancelled_caught:
+        log.warning("judge: closing HTTP connections took over %g s; left to the OS",
+                    CLOSE_BOUND_S)
