@@ -79,10 +79,11 @@ def responses_ok(text: str = VERDICT_TEXT, status: str | None = "completed") -> 
     return httpx2.Response(200, json=body)
 
 
-def chat_ok(text: str = VERDICT_TEXT) -> httpx2.Response:
-    return httpx2.Response(
-        200, json={"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
-    )
+def chat_ok(text: str = VERDICT_TEXT, finish_reason: str | None = "stop") -> httpx2.Response:
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+    if finish_reason is not None:
+        choice["finish_reason"] = finish_reason
+    return httpx2.Response(200, json={"choices": [choice]})
 
 
 class Script:
@@ -265,10 +266,15 @@ async def test_one_usable_answer_among_failures_gives_default_verdict(
 async def test_unusable_answers_only_fail(autojump_clock: trio.testing.MockClock) -> None:
     script = Script(responses_ok(status="incomplete"), responses_ok(text=""))
     async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
-        with pytest.raises(JudgeFailed, match="no completed answer after 4 attempts: .*blank"):
+        with pytest.raises(JudgeFailed) as info:
             await judge.judge_pair(REQUEST)
+    assert str(info.value) == (
+        "no completed answer after 4 attempts (1 cut by the token limit: raise "
+        "genrm_responses_create_params.max_output_tokens, now 16384): judge "
+        "http://judge-a.test/v1/responses: unusable answer: blank answer text")
     assert script.calls == 4
-    assert judge.stats.unusable_answers == 4
+    assert judge.stats.unusable_answers == 3
+    assert judge.stats.truncated_answers == 1
 
 
 async def test_parse_failure_then_success(autojump_clock: trio.testing.MockClock) -> None:
@@ -277,6 +283,97 @@ async def test_parse_failure_then_success(autojump_clock: trio.testing.MockClock
         assert await judge.judge_pair(REQUEST) == VERDICT
     assert script.calls == 2
     assert judge.stats.parse_failures == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Truncation and the judge's own error text
+
+
+async def test_chat_answer_cut_by_the_token_limit_is_retried_never_parsed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A complete-looking verdict in a truncated answer is still no verdict.
+    script = Script(chat_ok(text='{"score_1": 1, "score_2": 5, "ranking": 6}',
+                            finish_reason="length"), chat_ok())
+    async with open_judge(make_cfg({"api": "chat"}), transport=transport(script),
+                          rng=MaxRng()) as judge:
+        assert await judge.judge_pair(REQUEST) == VERDICT
+    assert script.calls == 2
+    assert judge.stats.truncated_answers == 1
+    assert judge.stats.failures_by_reason == {"truncated": 1}
+
+
+@pytest.mark.parametrize(("api", "answer", "params", "key"), [
+    ("chat", chat_ok(finish_reason="length"), {"max_output_tokens": 64},
+     "genrm_responses_create_params.max_output_tokens = 64"),
+    ("chat", chat_ok(finish_reason="length"), {"max_tokens": 32},
+     "genrm_responses_create_params.max_tokens = 32"),
+    ("responses", responses_ok(status="incomplete"), {"max_output_tokens": 128},
+     "genrm_responses_create_params.max_output_tokens = 128"),
+])
+async def test_budget_exhausted_by_truncation_says_so_and_names_the_key(
+    api: str, answer: httpx2.Response, params: dict[str, Any], key: str,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(answer)
+    cfg = make_cfg({"api": api}, genrm_responses_create_params=params)
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+    message = str(info.value)
+    assert message == (f"judge output budget exhausted: all 4 attempts were cut by the token "
+                       f"limit ({key}); raise {key.split(' = ')[0]}")
+    assert script.calls == 4
+    assert judge.stats.defaulted_comparisons == 0
+
+
+async def test_incomplete_for_another_reason_is_unusable_not_truncated(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    body = responses_ok(status="incomplete").json()
+    body["incomplete_details"] = {"reason": "content_filter"}
+    script = Script(httpx2.Response(200, json=body))
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed, match="no completed answer after 4 attempts: .*"
+                                              "content_filter"):
+            await judge.judge_pair(REQUEST)
+    assert judge.stats.truncated_answers == 0
+    assert judge.stats.unusable_answers == 4
+
+
+async def test_failure_reason_carries_the_judges_error_message(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    error = {"error": {"message": "Invalid role 'response_1': expected system, user or "
+                                  "assistant", "type": "invalid_request_error", "code": 500}}
+    script = Script(httpx2.Response(500, json=error))
+    async with open_judge(make_cfg({"api": "chat"}), transport=transport(script),
+                          rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+    assert str(info.value) == (
+        "no completed answer after 4 attempts: judge http://judge-a.test/v1/chat/completions: "
+        "HTTP 500: Invalid role 'response_1': expected system, user or assistant"
+    )
+
+
+async def test_error_snippet_is_bounded_single_line_and_secret_free(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    monkeypatch.setenv("GENRM_TEST_KEY", "sk-live-123456")
+    text = ("upstream said:\n\tAuthorization: Bearer sk-other-token-99 api_key=abc123 "
+            "key sk-live-123456 " + "x" * 5000)
+    script = Script(httpx2.Response(502, text=text))
+    cfg = make_cfg({"api_key_env": "GENRM_TEST_KEY"})
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+    message = str(info.value)
+    assert "HTTP 502: upstream said: Authorization: Bearer *** api_key=*** key ***" in message
+    for secret in ("sk-live-123456", "sk-other-token-99", "abc123", "\n", "\t"):
+        assert secret not in message
+    assert len(message) <= 600
+    assert message.count("x") <= 200
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,23 +1,48 @@
 """Answer parsing: the verdict text out of a judge's JSON answer, per API.
 
-Pure functions; an answer that cannot be a verdict raises :class:`~.attempt.AttemptFailed`
-(``unusable``), which the retry loop retries within the comparison's budget.
+Pure functions; an answer that cannot be a verdict raises :class:`~.attempt.AttemptFailed`,
+which the retry loop retries within the comparison's budget: ``truncated`` for an answer cut
+by the output budget (chat ``finish_reason: length``, responses ``status: incomplete``; such
+an answer is never parsed, whatever it holds), ``unusable`` for the rest.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import msgspec
+
 from genrm_trio.server.judge.attempt import AttemptFailed
+
+#: Longest snippet of a judge's error body carried into failure reasons.
+ERROR_SNIPPET_CHARS = 200
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def _truncated(detail: str) -> AttemptFailed:
+    return AttemptFailed("truncated", f"output budget exhausted ({detail})")
+
+
+def _responses_status(body: dict[str, Any]) -> None:
+    status = body.get("status")
+    if status is None or status == "completed":
+        return
+    if status == "incomplete":
+        details = body.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        if reason in (None, "max_output_tokens", "max_tokens", "length"):
+            raise _truncated("status incomplete" + (f": {reason}" if reason else ""))
+        raise AttemptFailed("unusable", f"unusable answer: status incomplete: {str(reason)[:40]!r}")
+    raise AttemptFailed("unusable", f"unusable answer: status {str(status)[:40]!r}")
 
 
 def responses_answer(body: Any) -> str:
     """Answer text of a Responses API body; raises :class:`AttemptFailed` when unusable."""
     if not isinstance(body, dict):
         raise AttemptFailed("unusable", "unusable answer: body is not a JSON object")
-    status = body.get("status")
-    if status is not None and status != "completed":
-        raise AttemptFailed("unusable", f"unusable answer: status {str(status)[:40]!r}")
+    _responses_status(body)
     parts: list[str] = []
     output = body.get("output")
     for item in output if isinstance(output, list) else ():
@@ -36,12 +61,12 @@ def chat_answer(body: Any) -> str:
     """Answer text of a chat completions body; raises :class:`AttemptFailed` when unusable."""
     if not isinstance(body, dict):
         raise AttemptFailed("unusable", "unusable answer: body is not a JSON object")
-    status = body.get("status")
-    if status is not None and status != "completed":
-        raise AttemptFailed("unusable", f"unusable answer: status {str(status)[:40]!r}")
+    _responses_status(body)  # not OpenAI's chat shape, but some servers add it
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise AttemptFailed("unusable", "unusable answer: no choices")
+    if choices[0].get("finish_reason") == "length":
+        raise _truncated("finish_reason length")
     message = choices[0].get("message")
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, list):
@@ -55,4 +80,35 @@ def non_blank(text: str) -> str:
     """``text`` itself; raises :class:`AttemptFailed` when it is blank."""
     if not text.strip():
         raise AttemptFailed("unusable", "unusable answer: blank answer text")
+    return text
+
+
+def error_snippet(content: bytes, limit: int = ERROR_SNIPPET_CHARS) -> str:
+    """A short, single-line excerpt of a judge's error body, for failure reasons.
+
+    The OpenAI-style ``{"error": {"message": ...}}`` (or ``{"detail": ...}``, ``{"message":
+    ...}``) message when the body has one, else the body's text; control characters become
+    spaces; at most ``limit`` characters. The caller still redacts secrets. Never raises.
+    """
+    head = content[: limit * 8]
+    text: str | None = None
+    try:
+        decoded = msgspec.json.decode(head)
+    except msgspec.DecodeError:
+        decoded = None
+    if isinstance(decoded, dict):
+        error = decoded.get("error")
+        for candidate in (
+            error.get("message") if isinstance(error, dict) else error,
+            decoded.get("detail"),
+            decoded.get("message"),
+        ):
+            if isinstance(candidate, str) and candidate.strip():
+                text = candidate
+                break
+    if text is None:
+        text = head.decode("utf-8", "replace")
+    text = _CONTROL.sub(" ", text).strip()
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
     return text

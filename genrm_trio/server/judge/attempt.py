@@ -12,7 +12,7 @@ import msgspec
 from genrm_trio.errors import FatalJudgeError, TransientJudgeError
 
 #: Longest error text that leaves the judge (failure reasons, logs).
-MAX_ERROR_CHARS = 300
+MAX_ERROR_CHARS = 600
 
 
 class JudgeRequest(msgspec.Struct, frozen=True):

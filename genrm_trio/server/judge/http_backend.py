@@ -11,7 +11,7 @@ import msgspec
 import trio
 
 from genrm_trio.config import Config
-from genrm_trio.server.judge.answers import chat_answer, responses_answer
+from genrm_trio.server.judge.answers import chat_answer, error_snippet, responses_answer
 from genrm_trio.server.judge.attempt import (
     AttemptFailed,
     AttemptFatal,
@@ -24,9 +24,6 @@ from genrm_trio.server.judge.h11_pool import H11Pool
 from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport, HttpxTransport
 from genrm_trio.server.judge.retry_after import parse_retry_after
 from genrm_trio.server.judge.transport import Answer, Transport
-
-_BODY_SNIPPET_CHARS = 120
-
 
 class HttpBackend:
     """Judge endpoints over HTTP: endpoint choice, transport, protocol, classification."""
@@ -108,11 +105,10 @@ class HttpBackend:
             except AttemptFailed as exc:
                 raise AttemptFailed(exc.reason, f"judge {endpoint.display}: {exc}") from None
         message = f"judge {endpoint.display}: HTTP {code}"
+        snippet = error_snippet(response.content)
         if code in (408, 429) or code >= 500:
             retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
-            raise AttemptFailed(f"http_{code}", message, retry_after)
-        snippet = response.content[: _BODY_SNIPPET_CHARS * 4].decode("utf-8", "replace")
-        snippet = snippet[:_BODY_SNIPPET_CHARS].strip()
+            raise AttemptFailed(f"http_{code}", f"{message}: {snippet}".rstrip(": "), retry_after)
         raise AttemptFatal(f"http_{code}", f"{message} (not retried): {snippet}".rstrip(": "))
 
     def status(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport
 
 log = logging.getLogger(__name__)
 
+# "Bearer abc", "api_key=abc", "api-key: abc", "token": "abc" ... (the value is replaced).
+_SECRET_SHAPES = re.compile(
+    r"""((?:bearer\s+|(?:api[_-]?key|token|secret|password)["']?\s*[=:]\s*["']?))[^\s"',;]+""",
+    re.IGNORECASE,
+)
+
 #: How long closing the judge's connections may take at exit (seconds).
 CLOSE_BOUND_S = 0.5
 
@@ -44,7 +51,8 @@ class JudgeStats:
     """Plain counters for ``/metrics``, owned by one :class:`Judge` (monotonic, never reset).
 
     ``failures_by_reason`` counts failed *attempts* by reason (``http_503``, ``transport``,
-    ``timeout``, ``unusable``, ``parse``, ``plugin``, ...); ``comparisons_failed`` counts
+    ``timeout``, ``unusable``, ``truncated``, ``parse``, ``plugin``, ...);
+    ``truncated_answers`` counts answers cut by the output budget; ``comparisons_failed`` counts
     comparisons that ended in :class:`~genrm_trio.errors.JudgeFailed`.
     """
 
@@ -53,6 +61,7 @@ class JudgeStats:
     retries: int = 0
     transient_errors: int = 0
     unusable_answers: int = 0
+    truncated_answers: int = 0
     parse_failures: int = 0
     defaulted_comparisons: int = 0
     comparisons_failed: int = 0
@@ -99,6 +108,7 @@ class Judge:
         stats.comparisons += 1
         usable_seen = False
         last_error = "no attempt made"
+        truncated = 0
         retry_after: float | None = None
         for k in range(attempts):
             if k:
@@ -120,6 +130,9 @@ class Judge:
                 stats.transient_errors += 1
                 if exc.reason == "unusable":
                     stats.unusable_answers += 1
+                elif exc.reason == "truncated":
+                    stats.truncated_answers += 1
+                    truncated += 1
                 last_error = str(exc)
                 retry_after = exc.retry_after_s
                 continue
@@ -139,9 +152,28 @@ class Judge:
             )
             return scoring.Verdict(cfg.default_score, cfg.default_score, cfg.default_ranking)
         stats.comparisons_failed += 1
+        if truncated:
+            key, value = self._budget_key()
+            if truncated == attempts:
+                raise JudgeFailed(self._safe(
+                    f"judge output budget exhausted: all {attempts} attempts were cut by the "
+                    f"token limit ({key} = {value}); raise {key}"
+                ))
+            raise JudgeFailed(self._safe(
+                f"no completed answer after {attempts} attempts ({truncated} cut by the token "
+                f"limit: raise {key}, now {value}): {last_error}"
+            ))
         raise JudgeFailed(
             self._safe(f"no completed answer after {attempts} attempts: {last_error}")
         )
+
+    def _budget_key(self) -> tuple[str, object]:
+        """The config key that bounds the judge's output, and its value."""
+        params = self._cfg.genrm_responses_create_params
+        for name in ("max_output_tokens", "max_tokens", "max_completion_tokens"):
+            if name in params:
+                return f"genrm_responses_create_params.{name}", params[name]
+        return "genrm_responses_create_params.max_output_tokens", "the server's default"
 
     async def _attempt(self, request: JudgeRequest) -> str:
         async with self._limiter:
@@ -179,8 +211,11 @@ class Judge:
         reasons[reason] = reasons.get(reason, 0) + 1
 
     def _safe(self, text: str) -> str:
+        """``text`` fit to leave the judge: no api key (nor anything shaped like a bearer
+        token or a key assignment, which a judge may echo back), bounded length."""
         if self._api_key:
             text = text.replace(self._api_key, "***")
+        text = _SECRET_SHAPES.sub(lambda m: m.group(1) + "***", text)
         if len(text) > MAX_ERROR_CHARS:
             text = text[: MAX_ERROR_CHARS - 3] + "..."
         return text
