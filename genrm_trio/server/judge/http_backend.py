@@ -25,6 +25,7 @@ from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport, HttpxTra
 from genrm_trio.server.judge.retry_after import parse_retry_after
 from genrm_trio.server.judge.transport import Answer, Transport
 
+
 class HttpBackend:
     """Judge endpoints over HTTP: endpoint choice, transport, protocol, classification."""
 
