@@ -75,6 +75,8 @@ NEMO_IGNORED_KEYS: frozenset[str] = frozenset(
 """Keys of a NeMo Gym server block that only matter inside NeMo Gym: accepted, ignored."""
 
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Hard ceiling of ``max_compare_responses``: all_pairs over 4096 responses is 8.4 M judge calls.
+MAX_COMPARE_RESPONSES = 4096
 
 # Keys whose presence marks a NeMo Gym resources-server mapping as the genrm_compare one.
 _NEMO_MARKER_KEYS = frozenset({"genrm_model_server", "genrm_responses_create_params"})
@@ -165,6 +167,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     state_dir: str | None = None
     max_active_cohorts: int | None = None
     max_active_bytes: int | None = None
+    state_sync: Literal["normal", "full"] = "normal"
+    request_read_timeout_s: float = 60.0
+    max_compare_responses: int = 128
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -332,6 +337,13 @@ def _validate_config(cfg: Config) -> None:
     _non_empty("state_dir", cfg.state_dir, nullable=True)
     _number("max_active_cohorts", cfg.max_active_cohorts, ge=1, nullable=True, integer=True)
     _number("max_active_bytes", cfg.max_active_bytes, ge=1, nullable=True, integer=True)
+    if cfg.state_sync not in ("normal", "full"):
+        raise ConfigError(
+            "state_sync", f"must be 'normal' or 'full', got {_show(cfg.state_sync)}"
+        )
+    _number("request_read_timeout_s", cfg.request_read_timeout_s, gt=0)
+    _number("max_compare_responses", cfg.max_compare_responses, ge=2, le=MAX_COMPARE_RESPONSES,
+            integer=True)
     level = cfg.log_level.upper() if isinstance(cfg.log_level, str) else cfg.log_level
     if level not in LOG_LEVELS:
         raise ConfigError(

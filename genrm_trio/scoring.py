@@ -48,6 +48,11 @@ __all__ = [
 
 #: Rankings run from 1 (response 1 much better) to 6 (response 2 much better).
 RANKING_MIDPOINT = 3.5
+#: The verdict scale a GenRM judge answers on (NeMo Gym's GenRM prompt): scores 1-5 per
+#: response, ranking 1-6 (1: response 1 much better ... 6: response 2 much better). A value
+#: outside its scale is not a verdict the judge gave on this scale: the answer is unparseable.
+SCORE_RANGE = (1.0, 5.0)
+RANKING_RANGE = (1.0, 6.0)
 
 #: What a response with no final answer text is shown to the judge as.
 EMPTY_ANSWER = "None"
@@ -323,6 +328,12 @@ def _verdict_from(candidate: str, default_score: float, default_ranking: float) 
     ranking = _to_finite(parsed.get("ranking", default_ranking))
     if score_1 is None or score_2 is None or ranking is None:
         return None
+    for key, value, (low, high) in (
+        ("score_1", score_1, SCORE_RANGE), ("score_2", score_2, SCORE_RANGE),
+        ("ranking", ranking, RANKING_RANGE),
+    ):
+        if key in parsed and not low <= value <= high:  # defaults come from config, not judge
+            return None
     return Verdict(score_1=score_1, score_2=score_2, ranking=ranking)
 
 
@@ -334,7 +345,8 @@ def parse_judge_output(text: str, default_score: float, default_ranking: float) 
     object (its ``overall`` sub-object when that is an object) holding at least one of
     ``score_1``, ``score_2``, ``ranking``; missing ones take ``default_score`` /
     ``default_ranking``; every value must convert to a finite float (numbers, or numeric
-    strings as Python's ``float`` reads them).
+    strings as Python's ``float`` reads them) within its scale (:data:`SCORE_RANGE`,
+    :data:`RANKING_RANGE`), so aggregation can never overflow.
 
     Never blocks. Raises :class:`JudgeParseError` with a short reason when nothing is usable.
     """
@@ -356,7 +368,8 @@ def parse_judge_output(text: str, default_score: float, default_ranking: float) 
     if not candidates:
         raise JudgeParseError("no JSON object in judge answer")
     raise JudgeParseError(
-        f"no JSON object with finite score_1/score_2/ranking among {len(candidates)} candidate(s)"
+        "no JSON object with score_1/score_2 in [1, 5] and ranking in [1, 6] among "
+        f"{len(candidates)} candidate(s)"
     )
 
 

@@ -7,9 +7,10 @@ through :class:`VerifyFields`, so msgspec's error names the JSON path (``$.respo
 
 from __future__ import annotations
 
+import json
 import math
 from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -30,17 +31,45 @@ LEGACY_GUIDANCE = (
 
 MAX_FAILURE_TEXT = 2000
 
+# ---------------------------------------------------------------------------------------------
+# Bounds (README "Bounds"; /openapi.json). Every body is checked before anything is interpreted.
+
+#: Deepest nesting of arrays and objects accepted anywhere in a body (``$`` is depth 1). A real
+#: /verify body (Responses input with content parts, tool schemas) nests about 10 deep.
+MAX_JSON_DEPTH = 64
+#: Longest ``_ng_group_id`` / ``group_id`` / ``prompt_id``: these are kept in active keys,
+#: retained records, watermarks and journal rows, so they must stay small.
+MAX_IDENTITY_CHARS = 512
+#: Every integer anywhere in a body must fit a signed 64-bit integer (SQLite's INTEGER, and what
+#: every caller's JSON library can read back).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+Attempt = Annotated[int, msgspec.Meta(le=INT64_MAX)]
+IdentityText = Annotated[str, msgspec.Meta(max_length=MAX_IDENTITY_CHARS)]
+
+#: Top-level keys of /verify that the server interprets: each may appear once.
+_INTERPRETED_KEYS: tuple[str, ...] = (
+    "responses_create_params", "response", "_ng_group_id", "group_id", "_ng_group_attempt",
+    "group_attempt", "_ng_rollout_index", "_ng_task_index", "prompt_id", "principle",
+    "instance_config",
+)
+_QUOTED_KEYS: tuple[tuple[str, bytes], ...] = tuple(
+    (k, json.dumps(k).encode()) for k in _INTERPRETED_KEYS
+)
+
 
 class VerifyFields(msgspec.Struct, kw_only=True):
     """The keys of a ``/verify`` body that the server interprets; the rest is carried through."""
 
     responses_create_params: dict[str, Any]
     response: dict[str, Any]
-    group_id: str | None = msgspec.field(default=None, name="_ng_group_id")
-    group_attempt: int | None = msgspec.field(default=None, name="_ng_group_attempt")
-    rollout_index: int | None = msgspec.field(default=None, name="_ng_rollout_index")
-    task_index: int | None = msgspec.field(default=None, name="_ng_task_index")
-    prompt_id: str | None = None
+    group_id: IdentityText | None = msgspec.field(default=None, name="_ng_group_id")
+    group_attempt: Attempt | None = msgspec.field(default=None, name="_ng_group_attempt")
+    rollout_index: Int64 | None = msgspec.field(default=None, name="_ng_rollout_index")
+    task_index: Int64 | None = msgspec.field(default=None, name="_ng_task_index")
+    prompt_id: IdentityText | None = None
     principle: str | None = None
     instance_config: dict[str, Any] | None = None
 
@@ -65,6 +94,20 @@ class AggregateMetricsRequest(msgspec.Struct, kw_only=True):
     verify_responses: list[dict[str, Any]]
 
 
+class AggregateRow(msgspec.Struct, kw_only=True):
+    """The keys of one ``/aggregate_metrics`` row that the metrics interpret (others ignored
+    here, kept in the row)."""
+
+    task_index: Int64 | str | None = msgspec.field(default=None, name="_ng_task_index")
+    rollout_index: Int64 | str | None = msgspec.field(default=None, name="_ng_rollout_index")
+    reward: float | None = None
+    mask_sample: bool | None = None
+
+
+class _TypedAggregateRequest(msgspec.Struct, kw_only=True):
+    verify_responses: list[AggregateRow]
+
+
 class ErrorBody(msgspec.Struct, kw_only=True, omit_defaults=False):
     detail: str
     failure_kind: str | None
@@ -74,15 +117,108 @@ def _validation_detail(exc: msgspec.ValidationError) -> str:
     return f"invalid request body: {exc}"
 
 
+def _bound_violation(obj: Any) -> str | None:
+    """The first place where ``obj`` breaks a bound (depth or int64), as a message naming its
+    JSON path, or None. Iterative: a hostile body cannot exhaust the Python stack."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        value, depth = pop()
+        if isinstance(value, dict):
+            if depth > MAX_JSON_DEPTH:
+                break
+            for item in value.values():
+                if isinstance(item, (dict, list)):
+                    push((item, depth + 1))
+                elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
+                    break
+            else:
+                continue
+            break
+        elif isinstance(value, list):
+            if depth > MAX_JSON_DEPTH:
+                break
+            for item in value:
+                if isinstance(item, (dict, list)):
+                    push((item, depth + 1))
+                elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
+                    break
+            else:
+                continue
+            break
+        elif type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            break
+    else:
+        return None
+    return _describe_violation(obj, "$", 1)
+
+
+def _describe_violation(value: Any, path: str, depth: int) -> str | None:
+    # Only called once a violation is known to exist, so the recursion is bounded by the depth
+    # limit (it stops descending at MAX_JSON_DEPTH + 1).
+    if isinstance(value, (dict, list)):
+        if depth > MAX_JSON_DEPTH:
+            return f"JSON nesting deeper than {MAX_JSON_DEPTH} levels - at `{path}`"
+        items = (
+            ((f"{path}.{k}" if str(k).isidentifier() else f"{path}[{json.dumps(k)}]", v)
+             for k, v in value.items())
+            if isinstance(value, dict) else ((f"{path}[{i}]", v) for i, v in enumerate(value))
+        )
+        for child_path, child in items:
+            found = _describe_violation(child, child_path, depth + 1)
+            if found is not None:
+                return found
+        return None
+    if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+        return f"integer outside the signed 64-bit range - at `{path}`"
+    return None
+
+
 def decode_object(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON body that must be an object; raises :class:`BadRequest` naming the problem."""
+    """Decode a JSON body that must be an object within the bounds (depth, int64).
+
+    Raises :class:`BadRequest` naming the problem and its JSON path."""
     try:
         obj = JSON_DECODER.decode(raw)
+    except RecursionError as exc:
+        raise BadRequest(
+            f"invalid request body: JSON nesting deeper than {MAX_JSON_DEPTH} levels - at `$`"
+        ) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(obj).__name__} at `$`")
+        raise BadRequest(f"request body must be a JSON object, got {_json_type(obj)} at `$`")
+    violation = _bound_violation(obj)
+    if violation is not None:
+        raise BadRequest(f"invalid request body: {violation}")
     return obj
+
+
+def _duplicated_key(raw: bytes) -> str | None:
+    """An interpreted top-level key that appears more than once in ``raw``, else None.
+
+    JSON parsers disagree on duplicated names (first or last wins), so a body that names one of
+    these twice could be routed by one value (a proxy) and judged by another: refused. The cheap
+    byte count finds candidates; only then is the top level parsed with every pair kept."""
+    if not any(raw.count(quoted) > 1 for _key, quoted in _QUOTED_KEYS):
+        return None
+    top: list[list[tuple[str, Any]]] = []
+
+    def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        top.append(pairs)
+        return {}
+
+    try:
+        json.loads(raw, object_pairs_hook=keep)
+    except (ValueError, RecursionError):
+        return None
+    if not top:
+        return None
+    names = [name for name, _value in top[-1]]  # the outermost object is completed last
+    for key, _quoted in _QUOTED_KEYS:
+        if names.count(key) > 1:
+            return key
+    return None
 
 
 def decode_verify(raw: bytes, num_rollouts: int) -> VerifyMember:
@@ -93,9 +229,19 @@ def decode_verify(raw: bytes, num_rollouts: int) -> VerifyMember:
     attempt. Nothing is mutated; the returned ``body`` is the decoded dict as received.
     """
     body = decode_object(raw)
+    duplicated = _duplicated_key(raw)
+    if duplicated is not None:
+        raise BadRequest(f"invalid request body: key appears more than once - at `$.{duplicated}`")
     view = body
     for alias, canonical in IDENTITY_ALIASES.items():
-        if alias in body and canonical not in body:
+        if alias in body:
+            if canonical in body:
+                if body[alias] != body[canonical]:
+                    raise BadRequest(
+                        f"invalid request body: `{alias}` and `{canonical}` disagree - at "
+                        f"`$.{alias}`"
+                    )
+                continue
             if view is body:
                 view = dict(body)
             view[canonical] = view.pop(alias)
@@ -131,18 +277,28 @@ def decode_verify(raw: bytes, num_rollouts: int) -> VerifyMember:
     )
 
 
-def decode_compare(raw: bytes) -> CompareRequest:
-    """Validate a ``/compare`` body; raises :class:`BadRequest` naming the JSON path."""
+def decode_compare(raw: bytes, max_responses: int) -> CompareRequest:
+    """Validate a ``/compare`` body; raises :class:`BadRequest` naming the JSON path, also when
+    ``response_objs`` holds more than ``max_responses`` (config ``max_compare_responses``)."""
     obj = decode_object(raw)
     try:
-        return msgspec.convert(obj, CompareRequest)
+        request = msgspec.convert(obj, CompareRequest)
     except msgspec.ValidationError as exc:
         raise BadRequest(_validation_detail(exc)) from exc
+    if len(request.response_objs) > max_responses:
+        raise BadRequest(
+            f"invalid request body: Expected `array` of length <= {max_responses} "
+            f"(max_compare_responses), got {len(request.response_objs)} - at `$.response_objs`"
+        )
+    return request
 
 
 def decode_aggregate(raw: bytes) -> AggregateMetricsRequest:
+    """Validate an ``/aggregate_metrics`` body: each row's interpreted keys are typed
+    (:class:`AggregateRow`); raises :class:`BadRequest` naming the JSON path."""
     obj = decode_object(raw)
     try:
+        msgspec.convert(obj, _TypedAggregateRequest)
         return msgspec.convert(obj, AggregateMetricsRequest)
     except msgspec.ValidationError as exc:
         raise BadRequest(_validation_detail(exc)) from exc

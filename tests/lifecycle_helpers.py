@@ -110,15 +110,14 @@ async def open_registry(cfg: Config, judge: Any, journal: Any = None
                         ) -> AsyncIterator[CohortRegistry]:
     """A registry in its own nursery. On exit, asserts nothing leaked: no active cohort, no
     waiter, no cohort task left (only retained records may remain)."""
-    async with trio.open_nursery() as nursery:
-        registry = CohortRegistry(cfg, judge, nursery, journal)
+    async with CohortRegistry.open(cfg, judge, journal) as registry:
         yield registry
         await trio.testing.wait_all_tasks_blocked()
         snap = registry.snapshot()
         assert snap["active_cohorts"] == 0, snap
         assert snap["waiters"] == 0, snap
         assert snap["active_bytes"] == 0, snap
-        assert not nursery.child_tasks, nursery.child_tasks
+        assert not registry._nursery.child_tasks, registry._nursery.child_tasks
         assert snap["retained_records"] <= cfg.max_terminal_cohorts
 
 

@@ -311,17 +311,31 @@ async def test_retention_count_cap_and_ttl(autojump_clock: trio.abc.Clock) -> No
                     out.send(f"{slot}", member(cfg, slot, group=f"g{g}"))
             await trio.sleep(10.0)
         snap = registry.snapshot()
-        assert snap["retained_records"] == 3 and snap["watermarks"] == 3
+        # Records: the cap. Watermarks outlive records (twice the cap and the TTL), so an
+        # evicted attempt is recognised instead of waiting out a fresh collection.
+        assert snap["retained_records"] == 3 and snap["watermarks"] == 5
         calls = judge.calls
         assert isinstance(await registry.verify(member(cfg, 0, group="g4")), Rewarded)
         assert judge.calls == calls  # g4 retained: replay
+        evicted = await registry.verify(member(cfg, 0, group="g0"))  # over the record cap
+        assert isinstance(evicted, Failure) and evicted.kind == "result_expired"
         await trio.sleep(100.0)  # every record is now past its TTL
+        started = trio.current_time()
+        expired = await registry.verify(member(cfg, 0, group="g4"))
+        assert isinstance(expired, Failure)
+        assert (expired.status, expired.kind) == (409, "result_expired")
+        assert "higher _ng_group_attempt" in expired.detail
+        assert trio.current_time() == started and judge.calls == calls  # at once, no judging
         async with trio.open_nursery() as nursery:
             out = Outcomes(registry, nursery)
             for slot in range(2):
-                out.send(f"{slot}", member(cfg, slot, group="g4"))
-        assert judge.calls == calls + 2  # expired: judged afresh
+                out.send(f"{slot}", member(cfg, slot, group="g4", attempt=1))
+        assert judge.calls == calls + 2  # the replacement attempt is judged afresh
         assert registry.snapshot()["retained_records"] == 1
+        await trio.sleep(200.0)  # watermarks too are past their (doubled) TTL
+        assert registry.snapshot()["watermarks"] >= 1  # pruning runs on the next request
+        await registry.verify(member(cfg, 0, group="other", attempt=0, text="x"))
+        assert registry.snapshot()["watermarks"] == 1  # only the group just opened
 
 
 async def test_admission_control_only_refuses_new_cohorts(autojump_clock: trio.abc.Clock) -> None:

@@ -60,7 +60,8 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_request_bytes
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = None
+    # Quart's own body deadline: a client that trickles its body gets a 408 (RequestTimeout).
+    app.config["BODY_TIMEOUT"] = cfg.request_read_timeout_s
     started_wall = time.time()
 
     @app.errorhandler(WireError)
@@ -71,13 +72,16 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
+        if status == 408:
+            return error_response(408, _read_timeout_detail(cfg), "request_timeout",
+                                  {"Connection": "close"})
         kind = "too_large" if status == 413 else ("bad_request" if status < 500 else None)
         headers = {"Connection": "close"} if status == 413 else None
         return error_response(status, exc.description or exc.name, kind, headers)
 
     @app.post("/compare")
     async def compare() -> Response:
-        body = wire.decode_compare(await _read_body())
+        body = wire.decode_compare(await _read_body(), cfg.max_compare_responses)
         return await _compare(cfg, judge, body)
 
     @app.get("/health")
@@ -120,6 +124,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio
             "uptime_s": round(time.time() - started_wall, 3),
             "shutting_down": registry.shutting_down,
             "cohorts": registry.snapshot(),
+            "journal": registry.journal.status() if registry.journal is not None else None,
             "judge": judge.status(),
             "config": config_summary(cfg),
         })
@@ -193,6 +198,9 @@ class VerifyEndpoint:
         await _send_json(send, status, body, headers)
 
     async def _read_body(self, scope: Any, receive: Any, send: Any) -> bytes | None:
+        """The whole body, or None once it has been answered (413, 408) or the client left.
+        Reading is bounded by ``request_read_timeout_s``: a client that trickles its body
+        holds a handler and its buffer no longer than that."""
         limit = self._cfg.max_request_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
@@ -200,24 +208,36 @@ class VerifyEndpoint:
                 return None
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # http.disconnect
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await self._too_large(send)
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        with trio.move_on_after(self._cfg.request_read_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # http.disconnect
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    await self._too_large(send)
+                    return None
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        del chunks
+        # The rest of the body stays unread, so the connection must not be reused.
+        await _send_json(send, 408, wire.error_body(_read_timeout_detail(self._cfg),
+                                                    "request_timeout"),
+                         [(b"connection", b"close")])
+        return None
 
     async def _too_large(self, send: Any) -> None:
         # The rest of the body stays unread, so the connection must not be reused.
         detail = f"request body exceeds max_request_bytes ({self._cfg.max_request_bytes} bytes)"
         await _send_json(send, 413, wire.error_body(detail, "too_large"),
                          [(b"connection", b"close")])
+
+
+def _read_timeout_detail(cfg: Config) -> str:
+    return (f"request body not received within request_read_timeout_s "
+            f"({cfg.request_read_timeout_s:g} s)")
 
 
 async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:

@@ -1,18 +1,26 @@
 """The cohort state machine and the registry that owns every cohort.
 
-Lifetimes: the registry is created by ``serve`` with the process-long nursery it spawns cohort
-tasks into. Each cohort is one task (:meth:`CohortRegistry._run_cohort`) holding its own cancel
+Lifetimes: the registry opens and owns its own nursery (:meth:`CohortRegistry.open`, an async
+context manager that ``serve`` enters, apart from Hypercorn's); every cohort task lives there and
+nowhere else. Each cohort is one task (:meth:`CohortRegistry._run_cohort`) holding its own cancel
 scope and a nursery for its judge calls; its collection and evaluation deadlines are cancel scopes
-inside that task. A ``/verify`` handler never owns shared work: it registers its member
-synchronously (before any ``await``, so concurrent first arrivals cannot open two cohorts), then
-waits on the cohort's ``done`` event. Cancelling the handler (client gone) removes only its waiter.
+inside that task. The task is a containment boundary: any exception inside it fails that cohort
+alone with 503 ``evaluation_error`` (logged once with its traceback); it never reaches the
+registry's nursery, so every other cohort and the process go on. A ``/verify`` handler never
+owns shared work: it registers its member synchronously (before any ``await``, so concurrent
+first arrivals cannot open two cohorts), then waits on the cohort's ``done`` event. Cancelling the handler (client gone) removes only its waiter.
 
-Every transition is a compare-and-set on the expected phase, done synchronously between
-checkpoints, so each race (final arrival against a deadline, supersession against publish,
-shutdown against anything) has exactly one winner, and all waiters read that one outcome.
+Every phase change goes through one function (:meth:`CohortRegistry._transition`), a
+compare-and-set on the expected phase, done synchronously between checkpoints, so each race
+(final arrival against a deadline, supersession against publish, shutdown against anything) has exactly one winner, and all waiters read that one outcome.
 
 Retention: terminal records live in an insertion-ordered dict (terminal-time order) and are
 pruned from the old end, so bookkeeping is O(1) amortised per request however many are kept.
+Watermarks of groups with an active cohort are never candidates for eviction and are not even
+visited: only idle groups' watermarks sit in the ordered eviction queue. Watermarks outlive
+records by one extra TTL and cap (twice each), so that a retry of an attempt whose record was
+evicted is answered at once with 409 ``result_expired`` instead of opening a fresh cohort that
+waits out the collection deadline.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import trio
@@ -48,6 +59,14 @@ class Phase(enum.Enum):
 
 
 ACTIVE_PHASES = (Phase.COLLECTING, Phase.EVALUATING)
+
+#: The allowed phase changes; :meth:`CohortRegistry._transition` refuses any other.
+_TRANSITIONS = MappingProxyType({
+    Phase.COLLECTING: frozenset({Phase.EVALUATING, Phase.FAILED}),
+    Phase.EVALUATING: frozenset({Phase.COMPLETED, Phase.FAILED}),
+    Phase.COMPLETED: frozenset(),
+    Phase.FAILED: frozenset(),
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,21 +165,27 @@ class _Record:
 
 
 class _Watermark:
-    __slots__ = ("attempt", "prompt_digest", "touched_at")
+    """The newest attempt seen for a group. ``finished``: that attempt's cohort ended with a
+    retained record (so a later miss means the record expired). ``touched_at``: when the group
+    last became idle (no active cohort); only idle watermarks age."""
 
-    def __init__(self, attempt: int, prompt_digest: str, touched_at: float) -> None:
+    __slots__ = ("attempt", "prompt_digest", "touched_at", "finished")
+
+    def __init__(self, attempt: int, prompt_digest: str, touched_at: float,
+                 finished: bool = False) -> None:
         self.attempt = attempt
         self.prompt_digest = prompt_digest
         self.touched_at = touched_at
+        self.finished = finished
 
 
 class CohortRegistry:
     """Owns every cohort of the process: admission, fencing, replay, retention, shutdown.
 
-    ``nursery`` is the process-long nursery cohort tasks are spawned into; the registry never
-    outlives it. ``judge`` judges one pair with its retry budget (server/judge.py). ``journal``
-    (optional, owned by the caller) mirrors terminal records and watermarks to disk; the
-    registry reloads them here, so replay, failure records and fencing survive a restart.
+    Obtain one with :meth:`open`, which owns the nursery every cohort task runs in. ``judge``
+    judges one pair with its retry budget (server/judge). ``journal`` (optional, owned by the
+    caller) mirrors terminal records and watermarks to disk; the registry reloads them here, so
+    replay, failure records and fencing survive a restart.
     """
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
@@ -171,8 +196,15 @@ class CohortRegistry:
         self._active: dict[identity.CohortKey, Cohort] = {}
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
+        self._duplicate_bytes = 0
         self._records: OrderedDict[identity.CohortKey, _Record] = OrderedDict()
-        self._watermarks: OrderedDict[str, _Watermark] = OrderedDict()
+        self._watermarks: dict[str, _Watermark] = {}
+        # Groups with no active cohort, least recently idle first: the only eviction candidates.
+        self._idle_groups: OrderedDict[str, None] = OrderedDict()
+        ttl = cfg.cohort_result_ttl_s
+        self._watermark_ttl_s = None if ttl is None else 2.0 * ttl
+        self._watermark_cap = 2 * cfg.max_terminal_cohorts
+        self.watermark_visits = 0
         self._waiters = 0
         self._shutting_down = False
         self._warned_missing_attempt = False
@@ -181,9 +213,26 @@ class CohortRegistry:
         if journal is not None:
             self._reload(journal)
 
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, cfg: Config, judge: PairJudge,
+                   journal: Journal | None = None) -> AsyncIterator[CohortRegistry]:
+        """Open a registry with its own nursery for the lifetime of the block.
+
+        Cohort tasks run in that nursery only. Leaving the block (normally or by an exception)
+        fails every active cohort with ``shutdown`` first, so each waiter is answered and every
+        cohort task ends promptly; the block then waits for them. Cohort failures never
+        propagate out of here (each cohort task contains its own)."""
+        async with trio.open_nursery() as nursery:
+            registry = cls(cfg, judge, nursery, journal)
+            try:
+                yield registry
+            finally:
+                registry.begin_shutdown()
+
     def _reload(self, journal: Journal) -> None:
         now, wall = trio.current_time(), time.time()
-        for stored in journal.records():
+        for stored in journal.records(self._cfg.num_rollouts_per_prompt):
             if stored.expires_wall is None:
                 expires_at = math.inf
             else:
@@ -193,7 +242,14 @@ class CohortRegistry:
                                                 failure)
         for mark in journal.watermarks():
             self._watermarks[mark.group_id] = _Watermark(
-                mark.attempt, mark.prompt_digest, now - (wall - mark.touched_wall))
+                mark.attempt, mark.prompt_digest, now - (wall - mark.touched_wall),
+                mark.finished)
+            self._idle_groups[mark.group_id] = None
+        if journal.skipped_rows:
+            logger.warning(
+                "state journal %s: %d malformed or mismatched rows skipped at reload (a changed "
+                "num_rollouts_per_prompt, or a file this version did not write)",
+                journal.path, journal.skipped_rows)
         self._prune(now)
         logger.info("state journal %s: %d records, %d watermarks reloaded", journal.path,
                     len(self._records), len(self._watermarks))
@@ -204,6 +260,10 @@ class CohortRegistry:
     def shutting_down(self) -> bool:
         return self._shutting_down
 
+    @property
+    def journal(self) -> Journal | None:
+        return self._journal
+
     async def verify(self, member: VerifyMember) -> Outcome:
         """Admit one member and wait for its cohort's outcome.
 
@@ -213,16 +273,21 @@ class CohortRegistry:
         raises for a documented condition.
         """
         admitted = self._admit(member)
-        if not isinstance(admitted, Cohort):
+        if not isinstance(admitted, tuple):
             self.counters[_outcome_label(admitted)] += 1
             return admitted
-        cohort = admitted
+        cohort, duplicate = admitted
         slot = member.fields.rollout_index or 0
+        # A duplicate holds its own decoded body while it waits: it counts towards
+        # max_active_bytes like a member does.
+        held = member.size_bytes if duplicate else 0
         self._waiters += 1
+        self._duplicate_bytes += held
         try:
             await cohort.done.wait()
         finally:
             self._waiters -= 1
+            self._duplicate_bytes -= held
         outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot])
         self.counters[_outcome_label(outcome)] += 1
         return outcome
@@ -249,12 +314,13 @@ class CohortRegistry:
             "waiters": self._waiters,
             "retained_records": len(self._records),
             "watermarks": len(self._watermarks),
-            "active_bytes": self._active_bytes,
+            "active_bytes": self._active_bytes + self._duplicate_bytes,
         }
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, member: VerifyMember) -> Outcome | Cohort:
+    def _admit(self, member: VerifyMember) -> Outcome | tuple[Cohort, bool]:
+        """Synchronous admission: an outcome now, or ``(cohort, duplicate)`` to wait on."""
         cfg = self._cfg
         now = trio.current_time()
         self._prune(now)
@@ -313,36 +379,49 @@ class CohortRegistry:
             if existing is not None:
                 if existing.digest != digest:
                     return _conflict(key, slot, f"the {cohort.phase.value} cohort")
-                return cohort
+                return cohort, True
             self._add_member(cohort, slot, digest, member)
-            return cohort
+            return cohort, False
+
+        if (watermark is not None and watermark.attempt == attempt and watermark.finished):
+            # This attempt finished here and its record has since expired: waiting out a fresh
+            # collection deadline could never give the caller its answer.
+            self.counters["result_expired"] += 1
+            return Failure(
+                409, "result_expired",
+                f"group {_short(group_id or '')!r}: attempt {attempt} already finished and its "
+                "record is no longer retained; resend the complete group with a higher "
+                "_ng_group_attempt",
+            )
 
         # A new cohort. Admission control first: a refusal changes no state.
         if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
             return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
-        if cfg.max_active_bytes is not None and self._active_bytes >= cfg.max_active_bytes:
+        held = self._active_bytes + self._duplicate_bytes
+        if cfg.max_active_bytes is not None and held >= cfg.max_active_bytes:
             return _overloaded(f"max_active_bytes ({cfg.max_active_bytes}) reached")
         if group_id is not None:
             self._advance_watermark(group_id, attempt, prompt_digest, now, watermark)
         cohort = self._open(key, prompt_input, fields.principle, prompt_digest, now)
         self._add_member(cohort, slot, digest, member)
-        return cohort
+        return cohort, False
 
     def _advance_watermark(
         self, group_id: str, attempt: int, prompt_digest: str, now: float,
         watermark: _Watermark | None,
     ) -> None:
+        """A new cohort of ``group_id`` opens at ``attempt`` (>= the watermark's). The journal is
+        written before memory changes; a failed write degrades it and memory stays the truth."""
         if watermark is None:
+            if self._journal is not None:
+                self._journal.put_watermark(group_id, attempt, prompt_digest, time.time())
             self._watermarks[group_id] = _Watermark(attempt, prompt_digest, now)
-            if self._journal is not None:
-                self._journal.put_watermark(group_id, attempt, prompt_digest, time.time())
             return
-        watermark.touched_at = now
-        self._watermarks.move_to_end(group_id)
         if attempt > watermark.attempt:
-            watermark.attempt = attempt
             if self._journal is not None:
                 self._journal.put_watermark(group_id, attempt, prompt_digest, time.time())
+            watermark.attempt = attempt
+            watermark.finished = False
             older = self._active_by_group.get(group_id, {})
             for old in [c for a, c in older.items() if a < attempt]:
                 self._fail(old, Failure(
@@ -369,6 +448,7 @@ class CohortRegistry:
         self._active[key] = cohort
         if key.group_id is not None:
             self._active_by_group.setdefault(key.group_id, {})[key.attempt] = cohort
+            self._idle_groups.pop(key.group_id, None)  # active groups are never evicted
         self.counters["cohorts_opened"] += 1
         self._nursery.start_soon(self._run_cohort, cohort)
         return cohort
@@ -379,48 +459,82 @@ class CohortRegistry:
         cohort.size_bytes += member.size_bytes
         self._active_bytes += member.size_bytes
         cohort.arrival.set()
-        if len(cohort.members) == cohort.size and cohort.phase is Phase.COLLECTING:
-            cohort.phase = Phase.EVALUATING
+        if len(cohort.members) == cohort.size:
+            self._transition(cohort, Phase.EVALUATING)
+
+    def _transition(self, cohort: Cohort, new: Phase) -> bool:
+        """The one place a phase changes: compare-and-set against the allowed transitions.
+        Returns False (and changes nothing) when the cohort is not in a phase that may move to
+        ``new``, e.g. a judge result or a deadline that lost a race to a failure."""
+        if new not in _TRANSITIONS[cohort.phase]:
+            return False
+        cohort.phase = new
+        return True
 
     # ------------------------------------------------------------------ the cohort task
 
     async def _run_cohort(self, cohort: Cohort) -> None:
-        """The cohort's own task: collection deadline, then judging under the evaluation deadline.
-        Whatever ends it, the cohort is terminal when it returns."""
-        cfg = self._cfg
-        eager = cfg.judge_schedule == "eager"
+        """The cohort's own task and its containment boundary. Whatever ends it, the cohort is
+        terminal when it returns, and no exception other than a cancellation from above leaves
+        it."""
         try:
-            with cohort.scope:
-                async with trio.open_nursery() as pair_nursery:
-                    with trio.move_on_after(cfg.cohort_collection_timeout_s):
-                        while cohort.phase is Phase.COLLECTING:
-                            if eager:
-                                self._start_ready_pairs(cohort, pair_nursery)
-                            cohort.arrival = trio.Event()
-                            await cohort.arrival.wait()
-                    if cohort.phase is Phase.COLLECTING:
-                        self._fail(cohort, self._incomplete(cohort))
-                        return
-                    if cohort.phase is not Phase.EVALUATING:
-                        return
-                    with trio.move_on_after(cfg.cohort_evaluation_timeout_s):
-                        self._start_ready_pairs(cohort, pair_nursery)
-                        await cohort.pairs_done.wait()
-                    if cohort.phase is Phase.EVALUATING:
-                        if cohort.pairs_done.is_set():
-                            self._publish(cohort)
-                        else:
-                            self._fail(cohort, self._judge_failure(
-                                cohort,
-                                f"evaluation deadline of {cfg.cohort_evaluation_timeout_s:g} s "
-                                f"exceeded with {len(cohort.results)} of {len(cohort.pairs)} "
-                                "comparisons done",
-                            ))
+            await self._drive(cohort)
+        except Exception as exc:
+            self._crashed(cohort, exc)
+        except BaseExceptionGroup as group:  # errors mixed with a cancellation from above
+            errors, rest = group.split(Exception)
+            if errors is not None:
+                self._crashed(cohort, errors)
+            if rest is not None:
+                raise rest from None
         finally:
             if cohort.phase in ACTIVE_PHASES:
                 # Cancelled from above (the registry's nursery is going away).
                 kind = "shutdown" if self._shutting_down else "cancelled"
                 self._fail(cohort, Failure(503, kind, f"evaluation was cancelled ({kind})"))
+
+    def _crashed(self, cohort: Cohort, exc: BaseException) -> None:
+        logger.error("%s: cohort task crashed; this cohort alone fails",
+                     identity.describe(cohort.key), exc_info=exc)
+        self.counters["cohort_task_crashes"] += 1
+        self._fail(cohort, self._failure(
+            cohort, 503, "evaluation_error",
+            f"evaluation failed: {type(exc).__name__}: {bound_text(str(exc), 300)}"))
+
+    async def _drive(self, cohort: Cohort) -> None:
+        """Collection deadline, then judging under the evaluation deadline, then publishing."""
+        cfg = self._cfg
+        eager = cfg.judge_schedule == "eager"
+        evaluation: trio.CancelScope | None = None
+        with cohort.scope:
+            async with trio.open_nursery() as pair_nursery:
+                with trio.move_on_after(cfg.cohort_collection_timeout_s):
+                    while cohort.phase is Phase.COLLECTING:
+                        if eager:
+                            self._start_ready_pairs(cohort, pair_nursery)
+                        cohort.arrival = trio.Event()
+                        await cohort.arrival.wait()
+                if cohort.phase is Phase.COLLECTING:
+                    self._fail(cohort, self._incomplete(cohort))
+                    return
+                if cohort.phase is not Phase.EVALUATING:
+                    return
+                with trio.move_on_after(cfg.cohort_evaluation_timeout_s) as evaluation:
+                    self._start_ready_pairs(cohort, pair_nursery)
+                    await cohort.pairs_done.wait()
+                pair_nursery.cancel_scope.cancel()  # all done, or out of time: stop the rest
+        # Outside the pair nursery: aggregation errors are this task's own, never a group.
+        if cohort.phase is not Phase.EVALUATING:
+            return
+        if cohort.pairs_done.is_set():
+            self._publish(cohort)
+        elif evaluation is not None and evaluation.cancelled_caught:
+            self._fail(cohort, self._judge_failure(
+                cohort,
+                f"evaluation deadline of {cfg.cohort_evaluation_timeout_s:g} s "
+                f"exceeded with {len(cohort.results)} of {len(cohort.pairs)} "
+                "comparisons done",
+            ))
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
         members = cohort.members
@@ -467,15 +581,15 @@ class CohortRegistry:
             rewards, _metrics = scoring.aggregate(comparisons, responses, self._cfg)
             if len(rewards) != cohort.size or not all(math.isfinite(r) for r in rewards):
                 raise GenRMError(f"aggregation gave {rewards!r} for {cohort.size} rollouts")
-        except GenRMError as exc:
+        except (GenRMError, ArithmeticError, ValueError) as exc:
             self._fail(cohort, self._failure(
                 cohort, 503, "evaluation_error", f"reward aggregation failed: {exc}"))
             return
-        if cohort.phase is not Phase.EVALUATING:  # compare-and-set
+        digests = tuple(cohort.members[s].digest for s in range(cohort.size))
+        if not self._transition(cohort, Phase.COMPLETED):
             return
-        cohort.phase = Phase.COMPLETED
         cohort.rewards = tuple(float(r) for r in rewards)
-        cohort.digests = tuple(cohort.members[s].digest for s in range(cohort.size))
+        cohort.digests = digests
         self._retire(cohort)
         self.counters["cohorts_completed"] += 1
         logger.info(
@@ -489,9 +603,8 @@ class CohortRegistry:
     def _fail(self, cohort: Cohort, failure: Failure) -> bool:
         """Compare-and-set to FAILED; releases every waiter with ``failure`` and cancels the
         cohort's pending work. Returns False if the cohort was already terminal."""
-        if cohort.phase not in ACTIVE_PHASES:
+        if not self._transition(cohort, Phase.FAILED):
             return False
-        cohort.phase = Phase.FAILED
         cohort.failure = failure
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
@@ -506,13 +619,9 @@ class CohortRegistry:
     def _retire(self, cohort: Cohort) -> None:
         """Move a cohort that just became terminal out of the active set, keep its record."""
         key = cohort.key
+        now = trio.current_time()
         del self._active[key]
         self._active_bytes -= cohort.size_bytes
-        if key.group_id is not None:
-            by_attempt = self._active_by_group[key.group_id]
-            del by_attempt[key.attempt]
-            if not by_attempt:
-                del self._active_by_group[key.group_id]
         cohort.members = {}
         cohort.results = {}
         failure = cohort.failure
@@ -521,43 +630,65 @@ class CohortRegistry:
         )
         if keep:
             ttl = self._cfg.cohort_result_ttl_s
-            expires_at = math.inf if ttl is None else trio.current_time() + ttl
-            self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure)
-            self._records.move_to_end(key)
             if self._journal is not None:
                 self._journal.put_record(
                     key, None if ttl is None else time.time() + ttl, cohort.digests,
                     cohort.rewards, dataclasses.asdict(failure) if failure is not None else None,
                 )
-            self._prune(trio.current_time())
+            expires_at = math.inf if ttl is None else now + ttl
+            self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure)
+            self._records.move_to_end(key)
+        if key.group_id is not None:
+            group_id = key.group_id
+            by_attempt = self._active_by_group[group_id]
+            del by_attempt[key.attempt]
+            mark = self._watermarks.get(group_id)
+            if keep and mark is not None and mark.attempt == key.attempt and not mark.finished:
+                if self._journal is not None:
+                    self._journal.put_watermark(group_id, mark.attempt, mark.prompt_digest,
+                                                time.time(), finished=True)
+                mark.finished = True
+            if not by_attempt:
+                del self._active_by_group[group_id]
+                if mark is not None:  # the group is idle from now: its watermark starts ageing
+                    mark.touched_at = now
+                    self._idle_groups[group_id] = None
+                    self._idle_groups.move_to_end(group_id)
+        self._prune(now)
 
     def _prune(self, now: float) -> None:
+        """Evict expired or over-cap records and idle watermarks, oldest first. O(1) amortised:
+        each visit evicts, except the one that stops the walk; active groups are never visited.
+        A mass expiry is one journal transaction."""
         cap = self._cfg.max_terminal_cohorts
         records = self._records
+        evicted: list[identity.CohortKey] = []
         while records:
             key, record = next(iter(records.items()))
             if len(records) > cap or record.expires_at <= now:
                 del records[key]
-                if self._journal is not None:
-                    self._journal.delete_record(key)
+                evicted.append(key)
             else:
                 break
-        ttl = self._cfg.cohort_result_ttl_s
+        ttl = self._watermark_ttl_s
+        idle = self._idle_groups
         watermarks = self._watermarks
-        budget = len(self._active_by_group) + 1
-        while watermarks and budget > 0:
-            group_id, mark = next(iter(watermarks.items()))
+        dropped: list[str] = []
+        while idle:
+            self.watermark_visits += 1
+            group_id = next(iter(idle))
+            mark = watermarks[group_id]
             expired = ttl is not None and mark.touched_at + ttl <= now
-            if not (len(watermarks) > cap or expired):
+            if not (len(idle) > self._watermark_cap or expired):
                 break
-            if group_id in self._active_by_group:
-                mark.touched_at = now
-                watermarks.move_to_end(group_id)
-                budget -= 1
-            else:
-                del watermarks[group_id]
-                if self._journal is not None:
-                    self._journal.delete_watermark(group_id)
+            del idle[group_id]
+            del watermarks[group_id]
+            dropped.append(group_id)
+        if self._journal is not None:
+            if evicted:
+                self._journal.delete_records(evicted)
+            if dropped:
+                self._journal.delete_watermarks(dropped)
 
     # ------------------------------------------------------------------ failure texts
 

@@ -5,23 +5,45 @@ so that a restarted server reloads them: replay, failure records and attempt fen
 restart. Expiry instants are stored as wall-clock times (the registry's clock is Trio's monotonic
 clock, which restarts with the process).
 
-Writes are small single-row statements in autocommit mode on a WAL database with
-``synchronous=NORMAL`` (no fsync per commit), so they are done inline on the Trio thread: about
-tens of microseconds each, once per finished cohort, cheaper than handing them to a thread.
-Written by hand over the standard library's sqlite3: the schema is two tables.
+**The journal degrades, it never kills.** Memory is the truth while the process lives; the journal
+is a best-effort mirror for the next process. A write that fails for any reason (disk full, a
+read-only or locked database, a value SQLite cannot store) is logged, counted and shown as
+``degraded`` in ``/status`` and ``/metrics``; it never raises into the registry, so the cohort's
+answers still go out. The journal stays degraded (a sticky flag with the last error) until the
+process restarts, because a failed write means the file no longer mirrors memory.
+
+**What survives.** Writes are small statements in autocommit mode on a WAL database. With
+``state_sync: normal`` (SQLite ``synchronous=NORMAL``) a killed process (SIGKILL, OOM, crash) loses
+nothing that was written: the WAL is in the OS page cache. A power loss or kernel crash can lose the
+last commits before the most recent WAL checkpoint sync (records of cohorts that finished in the
+last moments), never corrupt the file. ``state_sync: full`` fsyncs every commit (``synchronous=
+FULL``), which survives power loss at the cost of one fsync per finished cohort.
+
+**Reload validates.** Every row is checked on start (key shape, digests and rewards matching the
+configured cohort size, finite rewards, a well-formed failure, a non-negative attempt); a bad row
+(a changed ``num_rollouts_per_prompt``, a hand-edited or foreign file) is skipped, and the number
+skipped is logged in one warning.
+
+Writes are done inline on the Trio thread: about tens of microseconds each, once per finished
+cohort, cheaper than handing them to a thread. Work that touches many rows (a mass expiry) is one
+transaction. Written by hand over the standard library's sqlite3: the schema is two tables.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from genrm_trio.errors import GenRMError
 from genrm_trio.identity import CohortKey
+
+logger = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -45,9 +67,12 @@ CREATE INDEX IF NOT EXISTS watermarks_seq ON watermarks (seq);
 
 FILE_NAME = "genrm-trio-state.sqlite3"
 
+_MAX_ERROR_CHARS = 300
+_FAILURE_FIELDS = {"status": int, "kind": str, "detail": str, "masked": bool}
+
 
 class JournalError(GenRMError):
-    """The state directory or its database cannot be used."""
+    """The state directory or its database cannot be opened (raised at start only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +90,7 @@ class StoredWatermark:
     attempt: int
     prompt_digest: str
     touched_wall: float
+    finished: bool
 
 
 def _key_text(key: CohortKey) -> str:
@@ -73,17 +99,49 @@ def _key_text(key: CohortKey) -> str:
 
 def _key_from_text(text: str) -> CohortKey:
     group_id, legacy_key, attempt = json.loads(text)
-    return CohortKey(group_id=group_id, legacy_key=legacy_key, attempt=int(attempt))
+    if not (group_id is None) ^ (legacy_key is None):
+        raise ValueError("exactly one of group id and legacy key must be set")
+    for part in (group_id, legacy_key):
+        if part is not None and not isinstance(part, str):
+            raise ValueError("key parts must be strings")
+    if type(attempt) is not int or attempt < 0:
+        raise ValueError(f"bad attempt {attempt!r}")
+    return CohortKey(group_id=group_id, legacy_key=legacy_key, attempt=attempt)
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(
+        c in "0123456789abcdef" for c in value)
+
+
+def _failure_from_text(text: str) -> dict[str, Any]:
+    failure = json.loads(text)
+    if not isinstance(failure, dict):
+        raise ValueError("failure is not an object")
+    for name, kind in _FAILURE_FIELDS.items():
+        if type(failure.get(name)) is not kind:
+            raise ValueError(f"failure.{name} is not {kind.__name__}")
+    retry = failure.get("retry_after_s")
+    if retry is not None and not (isinstance(retry, (int, float)) and math.isfinite(retry)):
+        raise ValueError("failure.retry_after_s is not a finite number")
+    unknown = set(failure) - set(_FAILURE_FIELDS) - {"retry_after_s"}
+    if unknown:
+        raise ValueError(f"failure has unknown fields {sorted(unknown)}")
+    return failure
 
 
 class Journal:
     """One SQLite file in ``state_dir``. Owned by ``serve`` (opened before the registry, closed
-    after it). Every method blocks briefly on local disk and raises :class:`JournalError`."""
+    after it). Writes never raise (see the module docstring); :meth:`open` raises
+    :class:`JournalError` when the file cannot be opened at all."""
 
     def __init__(self, connection: sqlite3.Connection, path: str) -> None:
         self._db = connection
         self.path = path
-        self._seq = 0
+        self.degraded = False
+        self.failed_writes = 0
+        self.last_error: str | None = None
+        self.skipped_rows = 0
         row = self._db.execute(
             "SELECT max(s) FROM (SELECT max(seq) AS s FROM records "
             "UNION ALL SELECT max(seq) FROM watermarks)"
@@ -91,74 +149,152 @@ class Journal:
         self._seq = int(row[0] or 0)
 
     @classmethod
-    def open(cls, state_dir: str) -> Journal:
+    def open(cls, state_dir: str, sync: str = "normal") -> Journal:
+        """Open (creating) the database in ``state_dir``. ``sync`` is ``normal`` or ``full``."""
         try:
             os.makedirs(state_dir, exist_ok=True)
             path = os.path.join(state_dir, FILE_NAME)
             connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
+            connection.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
             connection.executescript(SCHEMA)
+            columns = {r[1] for r in connection.execute("PRAGMA table_info(watermarks)")}
+            if "finished" not in columns:  # files written before result_expired existed
+                connection.execute(
+                    "ALTER TABLE watermarks ADD COLUMN finished INTEGER NOT NULL DEFAULT 0")
+            return cls(connection, path)
         except (OSError, sqlite3.Error) as exc:
             raise JournalError(f"cannot open state_dir {state_dir!r}: {exc}") from exc
-        return cls(connection, path)
 
     def close(self) -> None:
-        self._db.close()
+        try:
+            self._db.close()
+        except sqlite3.Error as exc:  # closing must not turn a clean stop into a crash
+            self._degrade(exc)
+
+    def status(self) -> dict[str, Any]:
+        """For ``/status`` and ``/metrics``: no secrets, bounded text."""
+        return {
+            "path": self.path,
+            "degraded": self.degraded,
+            "failed_writes": self.failed_writes,
+            "last_error": self.last_error,
+            "skipped_rows_at_reload": self.skipped_rows,
+        }
 
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
-    def _run(self, sql: str, params: tuple[Any, ...]) -> None:
+    def _degrade(self, exc: BaseException) -> None:
+        self.failed_writes += 1
+        text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+        if not self.degraded:
+            logger.error("state journal %s degraded, memory stays the truth: %s", self.path, text)
+        self.degraded = True
+        self.last_error = text
+
+    def _write(self, statements: Iterable[tuple[str, tuple[Any, ...]]]) -> bool:
+        """Run ``statements`` as one transaction. Never raises: a failure degrades the journal
+        (logged once, counted) and returns False."""
+        db = self._db
         try:
-            self._db.execute(sql, params)
-        except sqlite3.Error as exc:
-            raise JournalError(f"state journal write failed: {exc}") from exc
+            db.execute("BEGIN")
+            try:
+                for sql, params in statements:
+                    db.execute(sql, params)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        except Exception as exc:  # any failure: disk, lock, read-only, a value SQLite refuses
+            self._degrade(exc)
+            return False
+        return True
 
     # records -----------------------------------------------------------------------------
 
-    def records(self) -> Iterator[StoredRecord]:
-        """Stored records, oldest first."""
-        rows = self._db.execute(
-            "SELECT key, expires_wall, digests, rewards, failure FROM records ORDER BY seq"
-        )
+    def records(self, cohort_size: int) -> Iterator[StoredRecord]:
+        """Stored records, oldest first; rows that do not fit ``cohort_size`` or are malformed
+        are skipped and counted in ``skipped_rows``."""
+        try:
+            rows = self._db.execute(
+                "SELECT key, expires_wall, digests, rewards, failure FROM records ORDER BY seq"
+            ).fetchall()
+        except sqlite3.Error as exc:
+            self._degrade(exc)
+            return
         for key, expires_wall, digests, rewards, failure in rows:
-            yield StoredRecord(
-                _key_from_text(key), expires_wall, tuple(json.loads(digests)),
-                tuple(float(r) for r in json.loads(rewards)),
-                json.loads(failure) if failure is not None else None,
-            )
+            try:
+                parsed_key = _key_from_text(key)
+                if expires_wall is not None and not isinstance(expires_wall, (int, float)):
+                    raise ValueError("bad expiry")
+                parsed_failure = _failure_from_text(failure) if failure is not None else None
+                digest_list = json.loads(digests)
+                reward_list = json.loads(rewards)
+                if parsed_failure is None:
+                    if parsed_key.group_id is None:
+                        raise ValueError("a completed legacy cohort is never retained")
+                    if not (isinstance(digest_list, list) and len(digest_list) == cohort_size
+                            and all(_is_digest(d) for d in digest_list)):
+                        raise ValueError(f"digests do not fit a cohort of {cohort_size}")
+                    if not (isinstance(reward_list, list) and len(reward_list) == cohort_size
+                            and all(type(r) in (int, float) and math.isfinite(r)
+                                    for r in reward_list)):
+                        raise ValueError(f"rewards do not fit a cohort of {cohort_size}")
+                elif digest_list != [] or reward_list != []:
+                    raise ValueError("a failure record holds no digests or rewards")
+            except (ValueError, TypeError) as exc:
+                self.skipped_rows += 1
+                logger.debug("journal row skipped: %s", exc)
+                continue
+            yield StoredRecord(parsed_key, expires_wall, tuple(digest_list),
+                               tuple(float(r) for r in reward_list), parsed_failure)
 
     def put_record(self, key: CohortKey, expires_wall: float | None, digests: tuple[str, ...],
-                   rewards: tuple[float, ...], failure: dict[str, Any] | None) -> None:
-        self._run(
+                   rewards: tuple[float, ...], failure: dict[str, Any] | None) -> bool:
+        return self._write([(
             "INSERT OR REPLACE INTO records (key, seq, expires_wall, digests, rewards, failure) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             (_key_text(key), self._next_seq(), expires_wall, json.dumps(list(digests)),
              json.dumps(list(rewards)), json.dumps(failure) if failure is not None else None),
-        )
+        )])
 
-    def delete_record(self, key: CohortKey) -> None:
-        self._run("DELETE FROM records WHERE key = ?", (_key_text(key),))
+    def delete_records(self, keys: Iterable[CohortKey]) -> bool:
+        """Delete many records in one transaction (a mass expiry)."""
+        return self._write(
+            ("DELETE FROM records WHERE key = ?", (_key_text(key),)) for key in keys)
 
     # watermarks --------------------------------------------------------------------------
 
     def watermarks(self) -> Iterator[StoredWatermark]:
-        """Stored watermarks, least recently written first."""
-        rows = self._db.execute(
-            "SELECT group_id, attempt, prompt_digest, touched_wall FROM watermarks ORDER BY seq"
-        )
-        for group_id, attempt, prompt_digest, touched_wall in rows:
-            yield StoredWatermark(group_id, int(attempt), prompt_digest, float(touched_wall))
+        """Stored watermarks, least recently written first; malformed rows are skipped."""
+        try:
+            rows = self._db.execute(
+                "SELECT group_id, attempt, prompt_digest, touched_wall, finished FROM watermarks "
+                "ORDER BY seq"
+            ).fetchall()
+        except sqlite3.Error as exc:
+            self._degrade(exc)
+            return
+        for group_id, attempt, prompt_digest, touched_wall, finished in rows:
+            if not (isinstance(group_id, str) and type(attempt) is int and attempt >= 0
+                    and _is_digest(prompt_digest) and isinstance(touched_wall, (int, float))
+                    and math.isfinite(touched_wall) and finished in (0, 1)):
+                self.skipped_rows += 1
+                continue
+            yield StoredWatermark(group_id, attempt, prompt_digest, float(touched_wall),
+                                  bool(finished))
 
     def put_watermark(self, group_id: str, attempt: int, prompt_digest: str,
-                      touched_wall: float) -> None:
-        self._run(
+                      touched_wall: float, finished: bool = False) -> bool:
+        return self._write([(
             "INSERT OR REPLACE INTO watermarks (group_id, seq, attempt, prompt_digest, "
-            "touched_wall) VALUES (?, ?, ?, ?, ?)",
-            (group_id, self._next_seq(), attempt, prompt_digest, touched_wall),
-        )
+            "touched_wall, finished) VALUES (?, ?, ?, ?, ?, ?)",
+            (group_id, self._next_seq(), attempt, prompt_digest, touched_wall, int(finished)),
+        )])
 
-    def delete_watermark(self, group_id: str) -> None:
-        self._run("DELETE FROM watermarks WHERE group_id = ?", (group_id,))
+    def delete_watermarks(self, group_ids: Iterable[str]) -> bool:
+        return self._write(
+            ("DELETE FROM watermarks WHERE group_id = ?", (group_id,)) for group_id in group_ids)

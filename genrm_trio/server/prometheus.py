@@ -55,6 +55,14 @@ def render_metrics(registry: CohortRegistry, judge: Judge) -> str:
         ({"outcome": k.removeprefix("verify_")}, v)
         for k, v in sorted(counters.items()) if k.startswith("verify_")
     ])
+    journal = registry.journal
+    if journal is not None:
+        state = journal.status()
+        lines += _family("genrm_journal_degraded", "gauge",
+                         "1 once a state journal write failed (memory stays the truth).",
+                         [({}, float(state["degraded"]))])
+        lines += _family("genrm_journal_write_failures_total", "counter",
+                         "State journal writes that failed.", [({}, state["failed_writes"])])
     fields: dict[str, Any] = dataclasses.asdict(judge.stats)
     for name, value in sorted(fields.items()):
         if isinstance(value, Mapping):

@@ -1,8 +1,9 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
-Ownership: :func:`run_server` opens the judge (its HTTP clients), then the root nursery that owns
-every cohort task and Hypercorn. Shutdown is one cancellation from the top: the shutdown event
-fails every active cohort with ``shutdown`` (each waiter answers its 503), Hypercorn stops
+Ownership: :func:`run_server` opens the judge (its HTTP clients), then the registry (which owns
+its own nursery, where every cohort task lives), then the root nursery that runs Hypercorn. A
+cohort's failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery.
+Shutdown is one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each waiter answers its 503), Hypercorn stops
 accepting and gives open connections ``shutdown_grace_s`` to finish, then the root nursery is
 cancelled. :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's programmatic ``serve`` installs no
 signal handlers).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import signal
 from functools import partial
 
@@ -37,6 +39,13 @@ def _hypercorn_config(cfg: Config) -> HypercornConfig:
     hconfig.errorlog = logging.getLogger("hypercorn.error")
     hconfig.backlog = 2048
     hconfig.keep_alive_timeout = 75
+    # Hypercorn's read timeout covers every read of a connection, including the silence while a
+    # request waits for its cohort, so it is only a backstop above the longest legitimate wait;
+    # slow bodies are bounded per request by request_read_timeout_s (app.py).
+    hconfig.read_timeout = math.ceil(
+        cfg.request_read_timeout_s + cfg.cohort_collection_timeout_s
+        + cfg.cohort_evaluation_timeout_s + cfg.shutdown_grace_s + 60.0
+    )
     return hconfig
 
 
@@ -53,21 +62,25 @@ async def run_server(
     before connections close, then returns.
     """
     stop = shutdown if shutdown is not None else trio.Event()
-    journal = Journal.open(cfg.state_dir) if cfg.state_dir is not None else None
+    journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
+               else None)
     try:
-        async with open_judge(cfg) as judge, trio.open_nursery() as root:
-            await _serve_in(cfg, judge, root, stop, journal, task_status)
+        async with (
+            open_judge(cfg) as judge,
+            CohortRegistry.open(cfg, judge, journal) as registry,
+            trio.open_nursery() as root,
+        ):
+            await _serve_in(cfg, judge, registry, root, stop, task_status)
     finally:
         if journal is not None:
             journal.close()
 
 
 async def _serve_in(
-    cfg: Config, judge: Judge, root: trio.Nursery, stop: trio.Event, journal: Journal | None,
+    cfg: Config, judge: Judge, registry: CohortRegistry, root: trio.Nursery, stop: trio.Event,
     task_status: trio.TaskStatus[str],
 ) -> None:
-    """Start the registry and Hypercorn in ``root`` (the process-long nursery)."""
-    registry = CohortRegistry(cfg, judge, root, journal)
+    """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``."""
     app = create_app(cfg, registry, judge)
 
     @app.after_serving

@@ -58,6 +58,7 @@ VERIFY_FAILURE_STATUS: Mapping[str, int] = MappingProxyType({
     "conflict": 409,
     "prompt_mismatch": 409,
     "stale_attempt": 409,
+    "result_expired": 409,
     "overloaded": 429,
     "cohort_incomplete": 503,
     "superseded": 503,
@@ -428,6 +429,10 @@ class _LocalRun:
                         for r in self.requests if r.sent_at <= now)
             if not explicit or not newer:
                 self.violation(f"{label}: {kind!r} with no newer attempt of an explicit group")
+        elif kind == "result_expired":
+            if not explicit or not any(r.key == req.key for r in self._earlier(req)):
+                self.violation(f"{label}: 'result_expired' but this attempt of an explicit "
+                               "group was never sent before")
         elif kind == "conflict":
             if not any(r.key == req.key and r.slot == req.slot and r.variant != req.variant
                        for r in self._earlier(req)):
@@ -553,8 +558,9 @@ class _LocalRun:
                          if r.outcome is None and r.group < FIRST_LEGACY_GROUP
                          and (not r.disconnected or r.sent_at >= horizon)}
         if isinstance(op, Arrive):
-            # Watermarks are pruned on admission; groups with an active cohort are never pruned.
-            allowed = self.cfg.max_terminal_cohorts + len(active_groups | self._active_before)
+            # Watermarks are pruned on admission; groups with an active cohort are never pruned;
+            # idle ones are kept up to twice the record cap (result_expired needs them).
+            allowed = 2 * self.cfg.max_terminal_cohorts + len(active_groups | self._active_before)
             if snap["watermarks"] > allowed:
                 self.violation(f"{snap['watermarks']} watermarks after an admission, over the "
                                f"cap + active groups ({allowed})")
