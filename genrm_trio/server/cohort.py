@@ -6,13 +6,15 @@ nowhere else. Each cohort is one task (:meth:`CohortRegistry._run_cohort`) holdi
 scope and a nursery for its judge calls; its collection and evaluation deadlines are cancel scopes
 inside that task. The task is a containment boundary: any exception inside it fails that cohort
 alone with 503 ``evaluation_error`` (logged once with its traceback); it never reaches the
-registry's nursery, so every other cohort and the process go on. A ``/verify`` handler never
-owns shared work: it registers its member synchronously (before any ``await``, so concurrent
-first arrivals cannot open two cohorts), then waits on the cohort's ``done`` event. Cancelling the handler (client gone) removes only its waiter.
+registry's nursery, so every other cohort and the process go on. A ``/verify`` handler never owns
+shared work: it registers its member synchronously (before any ``await``, so concurrent first
+arrivals cannot open two cohorts), then waits on the cohort's ``done`` event. Cancelling the
+handler (client gone) removes only its waiter.
 
-Every phase change goes through one function (:meth:`CohortRegistry._transition`), a
-compare-and-set on the expected phase, done synchronously between checkpoints, so each race
-(final arrival against a deadline, supersession against publish, shutdown against anything) has exactly one winner, and all waiters read that one outcome.
+Every phase change goes through one function (:meth:`CohortRegistry._transition`), a compare-and-
+set on the expected phase, done synchronously between checkpoints, so each race (final arrival
+against a deadline, supersession against publish, shutdown against anything) has exactly one
+winner, and all waiters read that one outcome.
 
 Retention: terminal records live in an insertion-ordered dict (terminal-time order) and are
 pruned from the old end, so bookkeeping is O(1) amortised per request however many are kept.

@@ -1,13 +1,12 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
-Ownership: :func:`run_server` opens the judge (its HTTP clients), then the registry (which owns
-its own nursery, where every cohort task lives), then the root nursery that runs Hypercorn. A
-cohort's failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery.
-Shutdown is one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each waiter answers its 503), Hypercorn stops
-accepting and gives open connections ``shutdown_grace_s`` to finish, then the root nursery is
-cancelled. :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's programmatic ``serve`` installs no
-signal handlers).
-"""
+Ownership: :func:`run_server` opens the judge (its HTTP clients), then the registry (which owns its
+own nursery, where every cohort task lives), then the root nursery that runs Hypercorn. A cohort's
+failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is
+one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
+waiter answers its 503), Hypercorn stops accepting and gives open connections ``shutdown_grace_s``
+to finish, then the root nursery is cancelled. :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's
+programmatic ``serve`` installs no signal handlers)."""
 
 from __future__ import annotations
 
