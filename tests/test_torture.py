@@ -102,8 +102,9 @@ def test_random_schedules_keep_every_invariant(schedule: Schedule) -> None:
     assert not report.violations, _fail_text(schedule, report.violations)
 
 
-def test_seeded_schedules_keep_every_invariant_and_reach_every_outcome() -> None:
-    summary = torture.run_local(400, seed=7)
+@pytest.mark.parametrize("eager", [False, True], ids=["wait_for_all", "eager"])
+def test_seeded_schedules_keep_every_invariant_and_reach_every_outcome(eager: bool) -> None:
+    summary = torture.run_local(400, seed=7, eager=eager)
     assert summary.shrunk is None, _fail_text(summary.shrunk, summary.violations)
     assert summary.schedules == 400
     # The generator really exercises the lifecycle: every outcome kind shows up.
@@ -159,9 +160,46 @@ class _EarlyPublishBug(CohortRegistry):
             cohort.arrival.set()
 
 
+class _LateEagerBug(CohortRegistry):
+    """Eager in name only: starts no comparison before the cohort is complete."""
+
+    def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        if cohort.phase.value != "collecting":
+            super()._start_ready_pairs(cohort, nursery)
+
+
+class _RepeatedPairBug(CohortRegistry):
+    """Forgets which comparisons it started, so a duplicate arrival starts them again."""
+
+    def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        cohort.started_pairs.clear()
+        super()._start_ready_pairs(cohort, nursery)
+
+
+class _EarlyWaitForAllBug(CohortRegistry):
+    """Judges pairs as they form even under wait_for_all."""
+
+    def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        super()._start_ready_pairs(cohort, nursery)
+
+    def _add_member(self, cohort: Cohort, slot: int, digest: str, member: Any) -> None:
+        super()._add_member(cohort, slot, digest, member)
+        if cohort.phase.value == "collecting":
+            self._start_ready_pairs(cohort, self._nursery)
+
+
+_EAGER_THREE = (JudgeMode(0, "ok", 0.713), Arrive(0, 0), Arrive(0, 1), Advance(0.517),
+                Arrive(0, 1), Advance(0.517), Arrive(0, 2))
+
+
 @pytest.mark.parametrize(
     ("bug", "schedule", "expect"),
     [
+        (_LateEagerBug, Schedule(ops=_EAGER_THREE, n=3, eager=True),
+         "not at the arrival of one of its members (late)"),
+        (_RepeatedPairBug, Schedule(ops=_EAGER_THREE, n=3, eager=True),
+         "a second comparison of a pair"),
+        (_EarlyWaitForAllBug, Schedule(ops=_EAGER_THREE, n=3), "before all 3 members arrived"),
         (_SlotOrderBug, Schedule(ops=(Arrive(0, 0), Arrive(0, 1), Arrive(0, 2)), n=3),
          "matches no reference"),
         (_ShutdownBug, Schedule(ops=(Arrive(0, 0), Advance(0.517), Shutdown())),

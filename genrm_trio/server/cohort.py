@@ -544,6 +544,7 @@ class CohortRegistry:
             if index in cohort.started_pairs or i not in members or j not in members:
                 continue
             cohort.started_pairs.add(index)
+            self.counters["comparisons_started"] += 1
             # Built now: the task may first run after the cohort failed and dropped its members.
             request = JudgeRequest(
                 history=cohort.history,
@@ -608,6 +609,8 @@ class CohortRegistry:
         if not self._transition(cohort, Phase.FAILED):
             return False
         cohort.failure = failure
+        # Comparisons already started (finished or still in flight) are lost with the cohort.
+        self.counters["comparisons_wasted"] += len(cohort.started_pairs)
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
         logger.info(

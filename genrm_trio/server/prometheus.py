@@ -51,6 +51,12 @@ def render_metrics(registry: CohortRegistry, judge: Judge) -> str:
         ({"kind": k.removeprefix("cohorts_failed_")}, v)
         for k, v in sorted(counters.items()) if k.startswith("cohorts_failed_")
     ])
+    lines += _family("genrm_comparisons_started_total", "counter",
+                     "Pair comparisons started by cohorts (each one judge_pair, retries included).",
+                     [({}, counters["comparisons_started"])])
+    lines += _family("genrm_comparisons_wasted_total", "counter",
+                     "Comparisons started by cohorts that then failed (their verdicts discarded).",
+                     [({}, counters["comparisons_wasted"])])
     lines += _family("genrm_verify_answers_total", "counter", "/verify answers, by outcome.", [
         ({"outcome": k.removeprefix("verify_")}, v)
         for k, v in sorted(counters.items()) if k.startswith("verify_")

@@ -268,6 +268,31 @@ def reference_rewards(cfg: Config, prompt_input: Any, answers: Sequence[str]) ->
 # ------------------------------------------------------------------------------ scripted judge
 
 
+@dataclass(slots=True)
+class JudgeCall:
+    """One comparison the registry asked for: when it started (virtual time) and the
+    coordinates of both answers, read back from their text (see :func:`answer_text`)."""
+
+    started_at: float
+    group: int
+    attempt: int
+    prompt: int
+    first: tuple[int, int]  # (slot, variant) of response_1
+    second: tuple[int, int]
+
+    @classmethod
+    def of(cls, request: JudgeRequest, now: float) -> JudgeCall:
+        def coords(text: str) -> tuple[int, int, int, int]:
+            g, a, s, v = text.split(":", 1)[0].split(" ")
+            return int(g[1:]), int(a[1:]), int(s[1:]), int(v[1:])
+
+        g, a, s1, v1 = coords(request.response_1)
+        _, _, s2, v2 = coords(request.response_2)
+        prompt_text = request.history[0]["content"] if request.history else ""
+        prompt = PROMPTS.index(prompt_text) if prompt_text in PROMPTS else -1
+        return cls(now, g, a, prompt, (s1, v1), (s2, v2))
+
+
 class ScriptedJudge:
     """A pair judge whose behaviour per group the schedule sets (see :class:`JudgeMode`).
 
@@ -281,11 +306,13 @@ class ScriptedJudge:
         self.calls = 0
         self.trouble: set[int] = set()
         self.crashed: set[int] = set()
+        self.log: list[JudgeCall] = []
 
     async def judge_pair(self, request: JudgeRequest) -> scoring.Verdict:
         group = int(request.response_1.split(" ", 1)[0][1:])
         mode, delay_s = self.modes.get(group, ("ok", 0.0))
         self.calls += 1
+        self.log.append(JudgeCall.of(request, trio.current_time()))
         if mode != "ok" or delay_s >= EVALUATION_TIMEOUT_S:
             self.trouble.add(group)
         if mode in ("crash", "nan"):
@@ -323,6 +350,7 @@ class _Request:
     answers: int = 0
     answered_at: float | None = None
     disconnected: bool = False
+    disconnected_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -535,6 +563,8 @@ class _LocalRun:
                 target = self.requests[-op.back]
                 if target.scope is not None:
                     target.scope.cancel()
+                    if target.outcome is None and target.disconnected_at is None:
+                        target.disconnected_at = trio.current_time()
         elif isinstance(op, NewAttempt):
             self.attempts[op.group % NUM_GROUPS] += 1
         elif isinstance(op, Advance):
@@ -632,6 +662,63 @@ class _LocalRun:
             if len(labels) > 1:
                 self.violation(f"the waiters of {key} released at {at:.3f} s saw different "
                                f"outcomes: {sorted(labels)}")
+        self.check_call_timing()
+
+    def check_call_timing(self) -> None:
+        """Every comparison starts exactly when it may: with ``eager``, at the arrival of the
+        later of its two members; otherwise at the arrival that completed the cohort. Never
+        before, never after, and never twice for one pair of one live cohort."""
+        eager = self.schedule.eager
+        n = self.schedule.n
+        sends: dict[tuple[Any, ...], list[float]] = {}
+        for r in self.requests:
+            sends.setdefault((r.key, r.slot, r.variant), []).append(r.sent_at)
+            sends.setdefault((r.key, r.slot), []).append(r.sent_at)
+        seen: dict[tuple[Any, ...], list[float]] = {}
+        for call in self.judge.log:
+            t = call.started_at
+            key = self.key_of(call.group, call.attempt, call.prompt)
+            label = (f"comparison {key} {call.first}/{call.second} started at {t:.3f} s "
+                     f"({'eager' if eager else 'wait_for_all'})")
+            both = [sends.get((key, *m), []) for m in (call.first, call.second)]
+            if any(not any(at <= t for at in times) for times in both):
+                self.violation(f"{label}: before both of its members arrived")
+                continue
+            if eager:
+                if t not in both[0] and t not in both[1]:
+                    self.violation(f"{label}: not at the arrival of one of its members (late)")
+            else:
+                slots = [sends.get((key, s), []) for s in range(n)]
+                if any(not any(at <= t for at in times) for times in slots):
+                    self.violation(f"{label}: before all {n} members arrived")
+                elif not any(t in times for times in slots):
+                    self.violation(f"{label}: not at the arrival that completed the cohort")
+            pair = (key, call.first, call.second)
+            earlier = seen.setdefault(pair, [])
+            if (sum(1 for at in earlier if at == t) >= self.schedule.judges
+                    and self._one_cohort_throughout(key, t, t)):
+                self.violation(f"{label}: more than {self.schedule.judges} call(s) for the "
+                               "pair at once")
+            elif any(at < t and self._one_cohort_throughout(key, at, t) for at in earlier):
+                self.violation(f"{label}: a second comparison of a pair its live cohort had "
+                               "already started")
+            earlier.append(t)
+
+    def _one_cohort_throughout(self, key: tuple[Any, ...], t1: float, t2: float) -> bool:
+        """Whether provably one and the same cohort of ``key`` was active from ``t1`` through
+        ``t2``: a request admitted to it was still waiting after ``t2``, and it was admitted
+        before ``t1``, or at ``t1`` when no earlier cohort of the key can have ended then."""
+        fresh_at_t1 = not any(
+            r.key == key and (r.sent_at < t1 or r.answered_at == t1) for r in self.requests)
+        for r in self.requests:
+            if r.key != key or r.sent_at > t1 or (r.sent_at == t1 and not fresh_at_t1):
+                continue
+            if t1 == t2 and r.sent_at == t1:
+                continue
+            until = r.answered_at if r.answered_at is not None else r.disconnected_at
+            if until is not None and until > t2:
+                return True
+        return False
 
 
 RegistryFactory = Callable[[Config, ScriptedJudge, trio.Nursery], CohortRegistry]
@@ -696,13 +783,17 @@ class LocalSummary:
 
 def run_local(schedules: int, seed: int, max_ops: int = 24,
               progress: Callable[[int], None] | None = None,
-              registry_factory: RegistryFactory = CohortRegistry) -> LocalSummary:
+              registry_factory: RegistryFactory = CohortRegistry,
+              eager: bool | None = None) -> LocalSummary:
     """Run ``schedules`` seeded schedules (schedule ``i`` uses seed ``seed + i``); stop at the
-    first failing one, shrink it and keep its violations. Blocks (one trio run per schedule)."""
+    first failing one, shrink it and keep its violations. Blocks (one trio run per schedule).
+    ``eager`` forces the judge schedule of every schedule (``None``: as generated)."""
     summary = LocalSummary()
     started = time.perf_counter()
     for i in range(schedules):
         schedule = generate_schedule(random.Random(seed + i), max_ops)
+        if eager is not None:
+            schedule = replace(schedule, eager=eager)
         report = run_schedule_sync(schedule, registry_factory)
         summary.schedules += 1
         summary.requests += report.requests
