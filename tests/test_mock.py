@@ -450,6 +450,7 @@ async def test_capacity_limit_queues_the_rest(nursery: trio.Nursery) -> None:
         statuses.append((await c.post(url + RESPONSES_PATH, json=responses_body())).status_code)
 
     limits = httpx2.Limits(max_connections=32)
+    started = trio.current_time()
     async with httpx2.AsyncClient(timeout=None, limits=limits) as c:
         with trio.fail_after(10):
             async with trio.open_nursery() as n:
@@ -460,6 +461,9 @@ async def test_capacity_limit_queues_the_rest(nursery: trio.Nursery) -> None:
     assert statuses == [200] * 24
     assert state.max_in_flight == 3
     assert state.calls == 24 and state.in_flight == 0 and state.queued == 0
+    # busy time counts only the time inside the capacity limit: 24 calls of at least 40 ms,
+    # never more than 3 at once
+    assert 24 * 0.04 <= state.busy_s <= 3 * (trio.current_time() - started)
 
 
 async def test_given_state_takes_the_settings_fault_plan(

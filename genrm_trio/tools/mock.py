@@ -173,8 +173,9 @@ class MockJudgeState:
     Plain synchronous object: tests create it, hand it to :func:`run_mock_judge`, then read the
     counters or change the fault plan between calls. ``calls`` counts every judge request
     received (admin and health requests are not counted); ``in_flight`` are calls being served
-    inside the capacity limit, ``queued`` those waiting for it; ``connections`` counts accepted
-    connections.
+    inside the capacity limit, ``queued`` those waiting for it; ``busy_s`` sums the seconds
+    calls spent inside the capacity limit (busy time, for utilisation); ``connections`` counts
+    accepted connections.
     """
 
     def __init__(
@@ -191,6 +192,7 @@ class MockJudgeState:
         self.faults_injected: dict[str, int] = {}
         self.in_flight = 0
         self.max_in_flight = 0
+        self.busy_s = 0.0
         self.queued = 0
         self.connections = 0
         self._changed = trio.lowlevel.ParkingLot()
@@ -229,6 +231,7 @@ class MockJudgeState:
         self.calls_by_path = dict.fromkeys(_JUDGE_PATHS, 0)
         self.faults_injected = {}
         self.max_in_flight = self.in_flight
+        self.busy_s = 0.0
         self.set_fault(Fault.NONE, None)
 
     def notify(self) -> None:
@@ -267,6 +270,7 @@ class MockJudgeState:
             "faults_injected": dict(self.faults_injected),
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "busy_s": self.busy_s,
             "queued": self.queued,
             "connections": self.connections,
             "fault": self.fault.value,
@@ -607,6 +611,7 @@ class _Server:
         if state.in_flight > state.max_in_flight:
             state.max_in_flight = state.in_flight
         state.notify()
+        started = trio.current_time()
         try:
             delay = self.settings.latency_s
             if self.settings.latency_jitter_s > 0:
@@ -616,6 +621,7 @@ class _Server:
             return await self._answer(stream, conn, request, judged, fault, call_no)
         finally:
             state.in_flight -= 1
+            state.busy_s += trio.current_time() - started
             state.notify()
 
     async def _answer(
