@@ -197,22 +197,23 @@ async def test_collection_deadline_during_early_judging_cancels_and_publishes_no
 ) -> None:
     cfg = cfg_for(4, comparison_strategy="all_pairs")
     judge = TimedJudge(None)  # the early comparisons never finish
-    async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
-        out = Outcomes(registry, nursery)
-        t0 = trio.current_time()
-        await _send_at(out, cfg, {0: 0.0, 1: 10.0, 2: 30.0})
-        await trio.testing.wait_all_tasks_blocked()
-        assert sorted(judge.starts().items()) == [
-            ((0, 1), [t0 + 10.0]), ((0, 2), [t0 + 30.0]), ((1, 2), [t0 + 30.0])]
-    for s in range(3):
-        t, outcome = out.results[f"m{s}"]
-        assert t == t0 + 60.0
-        assert isinstance(outcome, Failure) and outcome.kind == "cohort_incomplete"
-    assert judge.cancelled == 3
-    assert registry.counters["comparisons_wasted"] == 3
-    again = await registry.verify(member(cfg, 3))  # the failure record, no judge call
-    assert isinstance(again, Failure) and again.kind == "cohort_incomplete"
-    assert len(judge.calls) == 3
+    async with open_registry(cfg, judge) as registry:
+        async with trio.open_nursery() as nursery:
+            out = Outcomes(registry, nursery)
+            t0 = trio.current_time()
+            await _send_at(out, cfg, {0: 0.0, 1: 10.0, 2: 30.0})
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(judge.starts().items()) == [
+                ((0, 1), [t0 + 10.0]), ((0, 2), [t0 + 30.0]), ((1, 2), [t0 + 30.0])]
+        for s in range(3):
+            t, outcome = out.results[f"m{s}"]
+            assert t == t0 + 60.0
+            assert isinstance(outcome, Failure) and outcome.kind == "cohort_incomplete"
+        assert judge.cancelled == 3
+        assert registry.counters["comparisons_wasted"] == 3
+        again = await registry.verify(member(cfg, 3))  # the failure record, no judge call
+        assert isinstance(again, Failure) and again.kind == "cohort_incomplete"
+        assert len(judge.calls) == 3
 
 
 async def test_shutdown_during_early_judging_cancels_and_publishes_nothing(
