@@ -1,6 +1,7 @@
 """Configuration: frozen msgspec structs, units in the names (``*_s``, ``*_bytes``).
 
-Pure core: no I/O besides reading the YAML file handed to :func:`load_config`.
+Pure core: no I/O besides reading the YAML file handed to :func:`load_config` and the judge's
+prompt template file (``judge.prompt_template_file``, checked here so a bad one stops start-up).
 
 Sources, lowest precedence first:
 
@@ -46,6 +47,7 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 import yaml
 
+from genrm_trio import judge_prompt
 from genrm_trio.errors import ConfigError
 
 DEFAULT_PRINCIPLE = (
@@ -116,6 +118,11 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     max_connections_per_client: int = 16
     endpoint_failure_threshold: int = 3
     endpoint_cooldown_s: float = 5.0
+    max_concurrency_per_endpoint: int | None = None
+    prompt: Literal["genrm_roles", "plain"] = "genrm_roles"
+    prompt_template_file: str | None = None
+    structured_output: Literal["none", "json_schema", "json_object"] = "none"
+    seed: Literal["none", "content"] = "none"
 
     def __post_init__(self) -> None:
         _validate_judge(self)
@@ -150,6 +157,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     group_style_penalty_coeff: float = 0.0
     default_score: float = 3.0
     default_ranking: float = 3.5
+    unparseable_verdict_policy: Literal["default", "mask"] = "default"
     debug_logging: bool = False
     genrm_responses_create_params: dict[str, Any] = msgspec.field(
         default_factory=_default_judge_params
@@ -284,6 +292,44 @@ def _validate_judge(judge: JudgeConfig) -> None:
         "judge.endpoint_failure_threshold", judge.endpoint_failure_threshold, ge=1, integer=True
     )
     _number("judge.endpoint_cooldown_s", judge.endpoint_cooldown_s, ge=0)
+    _number("judge.max_concurrency_per_endpoint", judge.max_concurrency_per_endpoint, ge=1,
+            nullable=True, integer=True)
+    _choice("judge.prompt", judge.prompt, ("genrm_roles", "plain"))
+    _choice("judge.structured_output", judge.structured_output,
+            ("none", "json_schema", "json_object"))
+    _choice("judge.seed", judge.seed, ("none", "content"))
+    _non_empty("judge.prompt_template_file", judge.prompt_template_file, nullable=True)
+    if judge.prompt_template_file is not None:
+        if judge.prompt != "plain":
+            raise ConfigError("judge.prompt_template_file",
+                              "is only used with judge.prompt: plain")
+        read_prompt_template(judge.prompt_template_file)
+
+
+def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(
+            key, f"must be one of {', '.join(map(repr, choices))}, got {_show(value)}"
+        )
+
+
+def read_prompt_template(path: str) -> judge_prompt.PlainPrompt:
+    """Read and check a ``judge.prompt_template_file``. Blocks on file I/O.
+
+    Raises :class:`ConfigError` (key ``judge.prompt_template_file``) for an unreadable file or
+    a template that :func:`genrm_trio.judge_prompt.parse_template` rejects, naming the
+    placeholder for a missing or unknown one.
+    """
+    key = "judge.prompt_template_file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(judge_prompt.MAX_TEMPLATE_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(key, f"cannot read {path}: {_one_line(str(exc))}") from exc
+    try:
+        return judge_prompt.parse_template(text)
+    except judge_prompt.TemplateError as exc:
+        raise ConfigError(key, f"{path}: {exc}") from exc
 
 
 def _validate_config(cfg: Config) -> None:
@@ -310,6 +356,7 @@ def _validate_config(cfg: Config) -> None:
         )
     for key in ("reasoning_bonus", "answer_bonus", "default_score", "default_ranking"):
         _number(key, getattr(cfg, key))
+    _choice("unparseable_verdict_policy", cfg.unparseable_verdict_policy, ("default", "mask"))
     _number("top_percentile", cfg.top_percentile, gt=0, le=1)
     for key in (
         "group_reasoning_length_penalty_coeff",

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from genrm_trio import scoring
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.errors import ConfigError, JudgeFailed
+from genrm_trio.judge_prompt import verdict_schema
 from genrm_trio.server.judge import (
     CLOSE_BOUND_S,
     MAX_HINT_S,
@@ -637,6 +638,102 @@ async def test_chat_request_body(
             {"role": "response_2", "content": "five"},
         ],
     }
+
+
+STANDARD_ROLES = {"system", "user", "assistant"}
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("use_principle", [False, True])
+async def test_plain_prompt_sends_only_standard_roles(
+    api: str, use_principle: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    script = Script(chat_ok() if api == "chat" else responses_ok())
+    cfg = make_cfg({"api": api, "prompt": "plain"}, use_principle=use_principle)
+    request = JudgeRequest(HISTORY, "4", "five", principle="Be correct.")
+    async with open_judge(cfg, transport=transport(script)) as judge:
+        assert await judge.judge_pair(request) == VERDICT
+    body = script.json()
+    messages = body["messages"] if api == "chat" else body["input"]
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert "metadata" not in body
+    user = messages[1]["content"]
+    assert "<response_1>\n4\n</response_1>" in user
+    assert "<response_2>\nfive\n</response_2>" in user
+    assert "[user]\n2+2?" in user
+    # The judging instruction: the request's principle when enabled, else the default one.
+    assert user.startswith("Be correct." if use_principle else cfg.default_principle)
+
+
+async def test_plain_prompt_uses_the_template_file(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    template = tmp_path / "judge.txt"
+    template.write_text("A=${response_1} B=${response_2} C=${conversation} P=${principle}",
+                        encoding="utf-8")
+    script = Script(chat_ok())
+    cfg = make_cfg({"api": "chat", "prompt": "plain", "prompt_template_file": str(template)},
+                   default_principle="Judge.")
+    async with open_judge(cfg, transport=transport(script)) as judge:
+        await judge.judge_pair(REQUEST)
+    assert script.json()["messages"] == [{"role": "user", "content": (
+        "A=4 B=five C=[system]\nbe nice\n\n[user]\n2+2? P=Judge.")}]
+
+
+@pytest.mark.parametrize(("api", "kind", "key", "shape"), [
+    ("chat", "json_schema", "response_format",
+     {"type": "json_schema", "json_schema": {"name": "genrm_verdict", "schema": "S",
+                                             "strict": True}}),
+    ("chat", "json_object", "response_format", {"type": "json_object", "schema": "S"}),
+    ("responses", "json_schema", "text",
+     {"format": {"type": "json_schema", "name": "genrm_verdict", "schema": "S", "strict": True}}),
+    ("responses", "json_object", "text", {"format": {"type": "json_object"}}),
+])
+async def test_structured_output_forms(
+    api: str, kind: str, key: str, shape: dict[str, Any],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(chat_ok() if api == "chat" else responses_ok())
+    cfg = make_cfg({"api": api, "prompt": "plain", "structured_output": kind})
+    async with open_judge(cfg, transport=transport(script)) as judge:
+        await judge.judge_pair(REQUEST)
+    body = script.json()
+    expected = json.loads(json.dumps(shape).replace('"S"', json.dumps(verdict_schema())))
+    assert body[key] == expected
+    other = "text" if key == "response_format" else "response_format"
+    assert other not in body
+
+
+async def test_no_structured_output_and_no_seed_by_default(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    for api in ("chat", "responses"):
+        script = Script(chat_ok() if api == "chat" else responses_ok())
+        async with open_judge(make_cfg({"api": api}), transport=transport(script)) as judge:
+            await judge.judge_pair(REQUEST)
+        assert not {"response_format", "text", "seed"} & set(script.json())
+
+
+async def test_content_seed_is_stable_per_pair_and_varies_per_attempt_and_pass(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def seeds(request: JudgeRequest, api: str = "chat") -> list[int]:
+        ok = chat_ok() if api == "chat" else responses_ok()
+        script = Script(httpx2.Response(503), ok)
+        cfg = make_cfg({"api": api, "seed": "content"})
+        async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+            await judge.judge_pair(request)
+        return [script.json(i)["seed"] for i in range(2)]
+
+    first = await seeds(REQUEST)
+    assert first == await seeds(REQUEST)  # the same pair asks for the same samples
+    assert first[0] != first[1]  # a retry asks for another sample
+    assert all(isinstance(s, int) and 0 <= s < 2**31 for s in first)
+    second_pass = JudgeRequest(HISTORY, "4", "five", judge_idx=1)
+    assert (await seeds(second_pass))[0] != first[0]
+    swapped = JudgeRequest(HISTORY, "five", "4")
+    assert (await seeds(swapped))[0] != first[0]
+    assert await seeds(REQUEST, "responses") == first  # depends on content, not the API
 
 
 async def test_chat_unusable_answers(autojump_clock: trio.testing.MockClock) -> None:

@@ -310,9 +310,9 @@ async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Resp
     verdicts: dict[int, scoring.Verdict] = {}
     failure: list[str] = []
 
-    async def one(index: int, i: int, j: int, cancel: trio.CancelScope) -> None:
+    async def one(index: int, i: int, j: int, k: int, cancel: trio.CancelScope) -> None:
         req = JudgeRequest(history=history, response_1=answers[i], response_2=answers[j],
-                           principle=principle)
+                           principle=principle, judge_idx=k)
         try:
             verdicts[index] = await judge.judge_pair(req)
         except JudgeFailed as exc:
@@ -322,8 +322,8 @@ async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Resp
 
     with trio.move_on_after(cfg.cohort_evaluation_timeout_s) as deadline:
         async with trio.open_nursery() as nursery:
-            for index, (i, j, _k) in enumerate(pairs):
-                nursery.start_soon(one, index, i, j, nursery.cancel_scope)
+            for index, (i, j, k) in enumerate(pairs):
+                nursery.start_soon(one, index, i, j, k, nursery.cancel_scope)
     if failure:
         return error_response(503, wire.bound_text(failure[0]), "judge_failed")
     if deadline.cancelled_caught:

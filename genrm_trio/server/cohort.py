@@ -507,7 +507,6 @@ class CohortRegistry:
         """Collection deadline, then judging under the evaluation deadline, then publishing."""
         cfg = self._cfg
         eager = cfg.judge_schedule == "eager"
-        evaluation: trio.CancelScope | None = None
         with cohort.scope:
             async with trio.open_nursery() as pair_nursery:
                 with trio.move_on_after(cfg.cohort_collection_timeout_s):
@@ -521,16 +520,19 @@ class CohortRegistry:
                     return
                 if cohort.phase is not Phase.EVALUATING:
                     return
-                with trio.move_on_after(cfg.cohort_evaluation_timeout_s) as evaluation:
-                    self._start_ready_pairs(cohort, pair_nursery)
-                    await cohort.pairs_done.wait()
-                pair_nursery.cancel_scope.cancel()  # all done, or out of time: stop the rest
+                # The evaluation deadline is the pair nursery's own: every judge call runs
+                # inside it, so the judge sees it (a Retry-After beyond it fails at once).
+                pair_nursery.cancel_scope.deadline = (
+                    trio.current_time() + cfg.cohort_evaluation_timeout_s)
+                self._start_ready_pairs(cohort, pair_nursery)
+                await cohort.pairs_done.wait()
+                pair_nursery.cancel_scope.cancel()  # all done: nothing is left to stop
         # Outside the pair nursery: aggregation errors are this task's own, never a group.
         if cohort.phase is not Phase.EVALUATING:
             return
         if cohort.pairs_done.is_set():
             self._publish(cohort)
-        elif evaluation is not None and evaluation.cancelled_caught:
+        elif pair_nursery.cancel_scope.cancelled_caught:  # the evaluation deadline passed
             self._fail(cohort, self._judge_failure(
                 cohort,
                 f"evaluation deadline of {cfg.cohort_evaluation_timeout_s:g} s "
@@ -540,7 +542,7 @@ class CohortRegistry:
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
         members = cohort.members
-        for index, (i, j, _judge_idx) in enumerate(cohort.pairs):
+        for index, (i, j, judge_idx) in enumerate(cohort.pairs):
             if index in cohort.started_pairs or i not in members or j not in members:
                 continue
             cohort.started_pairs.add(index)
@@ -551,6 +553,7 @@ class CohortRegistry:
                 response_1=members[i].answer,
                 response_2=members[j].answer,
                 principle=cohort.principle,
+                judge_idx=judge_idx,
             )
             nursery.start_soon(self._judge_one, cohort, index, request)
 

@@ -16,12 +16,14 @@ MAX_ERROR_CHARS = 600
 
 
 class JudgeRequest(msgspec.Struct, frozen=True):
-    """One comparison: the conversation, the two final answers, and the request's principle."""
+    """One comparison: the conversation, the two final answers, the request's principle, and
+    which of ``num_judges_per_comparison`` passes this is (it varies the sampling seed)."""
 
     history: list[dict[str, str]]
     response_1: str
     response_2: str
     principle: str | None = None
+    judge_idx: int = 0
 
 
 class AttemptFailed(TransientJudgeError):

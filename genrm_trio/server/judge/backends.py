@@ -30,8 +30,9 @@ PluginFn = Callable[[dict[str, Any]], Awaitable[Any]]
 class Backend(Protocol):
     kind: str
 
-    async def call(self, request: JudgeRequest) -> str:
-        """One attempt, deadline included. Raises AttemptFailed / AttemptFatal."""
+    async def call(self, request: JudgeRequest, attempt: int) -> str:
+        """Attempt ``attempt`` (0-based), deadline included. Raises AttemptFailed /
+        AttemptFatal."""
         ...
 
     def status(self) -> dict[str, Any]: ...
@@ -48,7 +49,7 @@ class PluginBackend:
         self._bridge = bridge
         self._params = base_params(cfg)
 
-    async def call(self, request: JudgeRequest) -> str:
+    async def call(self, request: JudgeRequest, attempt: int) -> str:
         payload: dict[str, Any] = {
             "history": [dict(m) for m in request.history],
             "response_1": request.response_1,
@@ -93,7 +94,7 @@ class BuiltinBackend:
     def __init__(self, cfg: Config) -> None:
         self._cfg = cfg
 
-    async def call(self, request: JudgeRequest) -> str:
+    async def call(self, request: JudgeRequest, attempt: int) -> str:
         await trio.lowlevel.checkpoint()
         return scoring.heuristic_judge_text(
             request.history,

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import trio
 
+from genrm_trio import judge_prompt
 from genrm_trio.config import Config
 from genrm_trio.server.judge.answers import chat_answer, error_snippet, responses_answer
 from genrm_trio.server.judge.attempt import (
@@ -18,7 +19,7 @@ from genrm_trio.server.judge.attempt import (
     JudgeRequest,
     timeout_fatal,
 )
-from genrm_trio.server.judge.bodies import base_params, chat_body, responses_body
+from genrm_trio.server.judge.bodies import BodyBuilder
 from genrm_trio.server.judge.endpoints import Endpoint, Endpoints, display_url, endpoint_url
 from genrm_trio.server.judge.h11_pool import H11Pool
 from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport, HttpxTransport
@@ -36,6 +37,7 @@ class HttpBackend:
         cfg: Config,
         api_key: str | None,
         transport: HttpxBaseTransport | None,
+        prompt: judge_prompt.PlainPrompt | None = None,
     ) -> None:
         self._cfg = cfg
         self._api = cfg.judge.api
@@ -55,17 +57,16 @@ class HttpBackend:
             self._transport = H11Pool(ssl_context, headers)
         else:
             self._transport = HttpxTransport(cfg, ssl_context, headers, transport)
-        self._params = base_params(cfg)
+        self._bodies = BodyBuilder(cfg, prompt)
         self._encoder = msgspec.json.Encoder()
-        self._build = responses_body if self._api == "responses" else chat_body
         self._extract = responses_answer if self._api == "responses" else chat_answer
 
     async def aclose(self) -> None:
         """Close every connection. Blocks while connections close; the caller bounds it."""
         await self._transport.aclose()
 
-    async def call(self, request: JudgeRequest) -> str:
-        content = self._encoder.encode(self._build(self._cfg, self._params, request))
+    async def call(self, request: JudgeRequest, attempt: int) -> str:
+        content = self._encoder.encode(self._bodies.build(request, attempt))
         endpoint = self._endpoints.choose()
         endpoint.picks += 1
         endpoint.in_flight += 1

@@ -19,8 +19,8 @@ from typing import Any
 
 import trio
 
-from genrm_trio import scoring
-from genrm_trio.config import Config
+from genrm_trio import judge_prompt, scoring
+from genrm_trio.config import Config, read_prompt_template
 from genrm_trio.errors import ConfigError, JudgeFailed, JudgeParseError
 from genrm_trio.server import _aio
 from genrm_trio.server.judge.attempt import (
@@ -120,7 +120,7 @@ class Judge:
                 stats.backoff_seconds_sum += delay  # completed waits only
             retry_after = None
             try:
-                text = await self._attempt(request)
+                text = await self._attempt(request, k)
             except AttemptFatal as exc:
                 self._count(exc.reason)
                 stats.comparisons_failed += 1
@@ -175,12 +175,12 @@ class Judge:
                 return f"genrm_responses_create_params.{name}", params[name]
         return "genrm_responses_create_params.max_output_tokens", "the server's default"
 
-    async def _attempt(self, request: JudgeRequest) -> str:
+    async def _attempt(self, request: JudgeRequest, attempt: int) -> str:
         async with self._limiter:
             self.stats.calls += 1
             started = trio.current_time()
             try:
-                return await self._backend.call(request)
+                return await self._backend.call(request, attempt)
             finally:
                 self.stats.latency_seconds_sum += trio.current_time() - started
 
@@ -275,7 +275,11 @@ async def open_judge(
             backend = PluginBackend(cfg, fn, bridge)
             log.info("judge: plugin %s (%s)", cfg.judge.plugin, cfg.judge.plugin_flavor)
         elif cfg.judge.base_urls:
-            http = HttpBackend(cfg, api_key, transport)
+            prompt = None
+            if cfg.judge.prompt == "plain":
+                prompt = (read_prompt_template(cfg.judge.prompt_template_file)
+                          if cfg.judge.prompt_template_file else judge_prompt.DEFAULT_PROMPT)
+            http = HttpBackend(cfg, api_key, transport, prompt)
             stack.push_async_callback(_close_shielded, http)
             backend = http
             log.info(

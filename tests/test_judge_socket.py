@@ -1,0 +1,88 @@
+"""The judge against poisoned answers over real loopback sockets: the mock judge, the server in
+process, real HTTP in between. Each poison fails its own cohort with a reason that names the
+cause, and the next cohort completes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+
+from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.server.serve import run_server
+from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
+from genrm_trio.tools.torture import verify_body
+
+N = 2
+EVALUATION_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Stack:
+    url: str
+    state: MockJudgeState
+    cfg: Config
+
+
+async def start_stack(nursery: trio.Nursery, settings: MockJudgeSettings,
+                      **cfg_kw: Any) -> Stack:
+    state = MockJudgeState()
+    judge_url = await nursery.start(functools.partial(run_mock_judge, settings, state=state))
+    judge_kw = cfg_kw.pop("judge", {})
+    cfg = Config(
+        num_rollouts_per_prompt=N, port=0, cohort_collection_timeout_s=5.0,
+        cohort_evaluation_timeout_s=EVALUATION_TIMEOUT_S, judge_request_timeout_s=2.0,
+        genrm_parse_retry_sleep_s=0.01, judge_retry_backoff_max_s=0.02, shutdown_grace_s=1.0,
+        judge=JudgeConfig(base_urls=(judge_url,), **judge_kw), **cfg_kw,
+    )
+    url = await nursery.start(functools.partial(run_server, cfg))
+    return Stack(url, state, cfg)
+
+
+@pytest.fixture
+async def server_nursery() -> AsyncIterator[trio.Nursery]:
+    async with trio.open_nursery() as nursery:
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
+async def run_cohort(url: str, group_id: str) -> list[dict[str, Any]]:
+    bodies = [verify_body(0, 0, slot, 0, 0, [group_id]) for slot in range(N)]
+    answers: dict[int, httpx2.Response] = {}
+    async with httpx2.AsyncClient(base_url=url, timeout=None) as client:
+
+        async def send(slot: int) -> None:
+            answers[slot] = await client.post("/verify", json=bodies[slot])
+
+        with trio.fail_after(EVALUATION_TIMEOUT_S + 2.0):
+            async with trio.open_nursery() as nursery:
+                for slot in range(N):
+                    nursery.start_soon(send, slot)
+    assert all(answers[s].status_code == 200 for s in range(N))
+    return [answers[s].json() for s in range(N)]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_huge_retry_after_masks_only_its_cohort_at_once(
+    server_nursery: trio.Nursery, api: str
+) -> None:
+    # The judge asks for a billion seconds' pause once; the cohort must not sleep out its
+    # evaluation deadline and must say why it failed.
+    settings = MockJudgeSettings(fault=Fault.HTTP_429, fault_count=1, retry_after_s=1e9)
+    stack = await start_stack(server_nursery, settings, judge={"api": api})
+    started = trio.current_time()
+    masked = await run_cohort(stack.url, f"poison-{api}")
+    assert trio.current_time() - started < EVALUATION_TIMEOUT_S / 2
+    for out in masked:
+        assert out["mask_sample"] is True and out["failure_kind"] == "judge_failed"
+        assert "Retry-After" in out["failure_reason"]
+        assert "1e+09 s" in out["failure_reason"]
+        assert "deadline exceeded" not in out["failure_reason"]
+    healthy = await run_cohort(stack.url, f"next-{api}")
+    assert all(out["mask_sample"] is False for out in healthy)
+    assert all(out["failure_kind"] is None for out in healthy)
