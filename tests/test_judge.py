@@ -250,6 +250,22 @@ async def test_unparseable_answers_give_default_verdict(
     assert judge.stats.comparisons_failed == 0
 
 
+async def test_unparseable_policy_mask_fails_instead_of_defaulting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = Script(responses_ok(text="I like the first one."))
+    cfg = make_cfg(unparseable_verdict_policy="mask")
+    async with open_judge(cfg, transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+    assert str(info.value) == (
+        "no parseable verdict after 4 attempts (unparseable_verdict_policy: mask): "
+        "unparseable answer: no JSON object in judge answer")
+    assert script.calls == 4
+    assert judge.stats.defaulted_comparisons == 0
+    assert judge.stats.comparisons_failed == 1
+
+
 async def test_one_usable_answer_among_failures_gives_default_verdict(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

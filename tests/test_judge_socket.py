@@ -86,3 +86,16 @@ async def test_huge_retry_after_masks_only_its_cohort_at_once(
     healthy = await run_cohort(stack.url, f"next-{api}")
     assert all(out["mask_sample"] is False for out in healthy)
     assert all(out["failure_kind"] is None for out in healthy)
+
+
+async def test_unparseable_policy_mask_masks_the_cohort_naming_the_policy(
+    server_nursery: trio.Nursery,
+) -> None:
+    settings = MockJudgeSettings(fault=Fault.GARBAGE, fault_count=2 * 4)  # both comparisons
+    stack = await start_stack(server_nursery, settings, unparseable_verdict_policy="mask")
+    masked = await run_cohort(stack.url, "garbage")
+    for out in masked:
+        assert out["mask_sample"] is True
+        assert "unparseable_verdict_policy: mask" in out["failure_reason"]
+    healthy = await run_cohort(stack.url, "next")
+    assert all(out["mask_sample"] is False for out in healthy)

@@ -98,7 +98,8 @@ class Judge:
         ``trio.Cancelled`` at once and aborts the attempt in flight.
 
         Returns the parsed verdict, or the default verdict when the budget ran out and some
-        attempt did give a usable (but unparseable) answer. Raises
+        attempt did give a usable (but unparseable) answer (with ``unparseable_verdict_policy:
+        mask`` that is a failure instead). Raises
         :class:`~genrm_trio.errors.JudgeFailed` (short text, no api key) on a non-retryable
         error, a per-request timeout, or an exhausted budget without any usable answer.
         """
@@ -143,6 +144,12 @@ class Judge:
                 self._count("parse")
                 stats.parse_failures += 1
                 last_error = f"unparseable answer: {exc}"
+        if usable_seen and cfg.unparseable_verdict_policy == "mask":
+            stats.comparisons_failed += 1
+            raise JudgeFailed(self._safe(
+                f"no parseable verdict after {attempts} attempts "
+                f"(unparseable_verdict_policy: mask): {last_error}"
+            ))
         if usable_seen:
             stats.defaulted_comparisons += 1
             log.warning(
