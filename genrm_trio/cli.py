@@ -1,19 +1,23 @@
 """The ``genrm-trio`` command line: one entry point, one subcommand per job.
 
-This module holds the only ``trio.run`` calls of the package. Subcommands whose code lives in other
-modules are imported on first use, so ``genrm-trio serve`` starts without loading the collector
-or the benchmark tools.
+Subcommands whose code lives in other modules are imported on first use, so ``genrm-trio
+serve`` starts without loading the collector or the benchmark tools.
+
+Ctrl-C: every subcommand exits 130 with one line, ``genrm-trio: interrupted`` (the group catches
+the ``KeyboardInterrupt``, bare or inside a trio exception group, before click turns it into
+``Aborted!`` and exit 1). ``serve`` handles SIGINT itself: it shuts down gracefully like on
+SIGTERM (every waiter gets its 503 ``shutdown`` answer), then exits 130, while SIGTERM exits 0.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -32,7 +36,31 @@ _LAZY_COMMANDS = MappingProxyType({
 })
 
 
+INTERRUPTED_EXIT = 130
+INTERRUPTED_LINE = "genrm-trio: interrupted"
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None
+
+
+def exit_interrupted() -> NoReturn:
+    """Print the one interrupt line and exit 130."""
+    click.echo(INTERRUPTED_LINE, err=True)
+    sys.exit(INTERRUPTED_EXIT)
+
+
 class _LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BaseException as exc:
+            if _is_interrupt(exc):
+                exit_interrupted()
+            raise
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *_LAZY_COMMANDS])
 
@@ -45,12 +73,11 @@ class _LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(level: str, log_format: str = "auto") -> None:
+    """Root logging to stderr: JSON lines off a terminal, key=value on one (genrm_trio/logs.py)."""
+    from genrm_trio.logs import setup_logging as setup
+
+    setup(level, log_format, sys.stderr)
 
 
 def load_cli_config(config_path: str | None, sets: Sequence[str], extra: Sequence[str] = ()) -> Any:
@@ -114,7 +141,14 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
     if judge_urls:
         extra.append("judge.base_urls=[" + ", ".join(f'"{u}"' for u in judge_urls) + "]")
     cfg = load_cli_config(config_path, sets, extra)
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
+    from genrm_trio.server.auth import read_auth_token
+
+    try:  # fail fast, with one line, before anything is bound
+        read_auth_token(cfg, os.environ)
+    except ConfigError as exc:
+        click.echo(f"genrm-trio: invalid configuration: {exc}", err=True)
+        sys.exit(2)
     if cfg.state_dir is not None:
         from genrm_trio.server.journal import Journal, JournalError
 
@@ -124,7 +158,8 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
             click.echo(f"genrm-trio: invalid configuration: config key 'state_dir': {exc}",
                        err=True)
             sys.exit(2)
-    trio.run(serve_main, cfg)
+    if trio.run(serve_main, cfg) == signal.SIGINT:
+        exit_interrupted()
 
 
 if __name__ == "__main__":

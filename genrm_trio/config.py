@@ -179,6 +179,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     request_read_timeout_s: float = 60.0
     max_compare_responses: int = 128
     log_level: str = "INFO"
+    log_format: Literal["auto", "json", "text"] = "auto"
+    auth_token_env: str | None = None
 
     def __post_init__(self) -> None:
         _validate_config(self)
@@ -398,6 +400,20 @@ def _validate_config(cfg: Config) -> None:
         )
     if level != cfg.log_level:
         msgspec.structs.force_setattr(cfg, "log_level", level)
+    if cfg.log_format not in ("auto", "json", "text"):
+        raise ConfigError(
+            "log_format", f"must be 'auto', 'json' or 'text', got {_show(cfg.log_format)}"
+        )
+    _non_empty("auth_token_env", cfg.auth_token_env, nullable=True)
+    if cfg.auth_token_env is not None and (
+        "=" in cfg.auth_token_env or cfg.auth_token_env.upper().startswith(ENV_PREFIX)
+    ):
+        # A token pasted where the variable's name belongs would leak through /status, and a
+        # GENRM_TRIO_* name is read as a config override (an unknown key) at start.
+        raise ConfigError(
+            "auth_token_env",
+            f"must be the name of an environment variable not starting with {ENV_PREFIX}",
+        )
 
 
 # --------------------------------------------------------------------------- YAML

@@ -3,8 +3,14 @@ key; the subcommands of contract section 8 exist."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +42,77 @@ def test_every_subcommand_is_there() -> None:
                  "torture"):
         assert name in result.stdout
         assert run_cli(name, "--help").returncode == 0
+
+
+def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "genrm_trio.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _wait_for_line(stream: Any, needle: str, timeout_s: float = 30.0) -> str:
+    """Read lines (in a thread, bounded) until one contains ``needle``."""
+    found: list[str] = []
+
+    def reader() -> None:
+        for line in stream:
+            if needle in line:
+                found.append(line)
+                return
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert found, f"no line with {needle!r} within {timeout_s} s"
+    return found[0]
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_serve_drains_then_exits_130_on_ctrl_c_and_0_on_sigterm(
+    signum: signal.Signals, code: int,
+) -> None:
+    proc = _start("serve", "--port", "0", "--set", "num_rollouts_per_prompt=2",
+                  "--set", "log_format=json")
+    try:
+        assert proc.stdout is not None
+        _wait_for_line(proc.stdout, "listening on")
+        proc.send_signal(signum)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    assert ("shutdown: all active cohorts failed" in err)  # the graceful path ran
+    lines = err.strip().splitlines()
+    if code == 130:
+        assert lines[-1] == "genrm-trio: interrupted"
+        assert lines.count("genrm-trio: interrupted") == 1
+    else:
+        assert "genrm-trio: interrupted" not in err
+    for line in lines[:-1] if code == 130 else lines:  # everything else is JSON lines
+        assert isinstance(json.loads(line), dict), line
+
+
+def test_collect_exits_130_with_one_line_on_ctrl_c(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"responses_create_params": {"input": f"t{i}"}}) + "\n"
+                             for i in range(4)))
+    proc = _start("collect", "--input", str(tasks), "--output", str(tmp_path / "out.jsonl"),
+                  "--server", "http://127.0.0.1:9", "--num-repeats", "2",
+                  "--progress-interval-s", "0.2",
+                  "--mock-policy-set", "latency_mean_s=60")
+    try:
+        assert proc.stderr is not None
+        _wait_for_line(proc.stderr, "collect: 0/8 rollouts")  # running, stuck in generation
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Aborted" not in err
+    assert err.strip().splitlines()[-1] == "genrm-trio: interrupted"
+    assert err.count("genrm-trio: interrupted") == 1

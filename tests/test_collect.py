@@ -27,10 +27,10 @@ from genrm_trio.caller.aggregate import (
 from genrm_trio.caller.collect import (
     CollectOptions,
     Progress,
-    _show_progress,
     collect_cli,
     plan_groups,
 )
+from genrm_trio.caller.progress import show_progress
 from genrm_trio.metrics import aggregate_metrics, encode_metrics
 from genrm_trio.tools.mock_policy import (
     MockPolicyApp,
@@ -306,9 +306,42 @@ async def test_progress_prints_plain_lines_off_a_terminal(autojump_clock: trio.a
     stream = io.StringIO()
     progress.done, progress.masked, progress.failed, progress.in_flight = 3, 1, 0, 4
     with trio.move_on_after(25):
-        await _show_progress(progress, stream, 10.0)
-    lines = stream.getvalue().splitlines()
+        await show_progress(progress, stream, 10.0)
+    text = stream.getvalue()
+    assert "\r" not in text and "\x1b" not in text  # no terminal control off a terminal
+    lines = text.splitlines()
     assert len(lines) == 2
     assert lines[0] == (
-        "collect: 4/8 rollouts | done 3 masked 1 failed 0 in flight 4 | 0.4/s"
+        "collect: 4/8 rollouts | done 3 masked 1 failed 0 in flight 4 "
+        "backpressure retries 0 | 0.4/s"
     )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_progress_is_a_bar_with_rate_and_eta_on_a_terminal(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    progress = Progress(total_rollouts=100, started_at=trio.current_time())
+    stream = _Terminal()
+
+    async def advance() -> None:
+        for _ in range(20):
+            await trio.sleep(1.0)
+            progress.done += 2
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(show_progress, progress, stream, 10.0)
+        await advance()
+        progress.failed, progress.in_flight = 1, 3
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    frames = [f for f in stream.getvalue().split("\r") if f.strip()]
+    last = frames[-1]
+    assert "41/100" in last  # 40 done + 1 failed
+    assert "done 40 masked 0 failed 1 in flight 3" in last
+    assert "rollout/s" in last and "<" in last  # a rate and an elapsed<remaining ETA
+    assert len(frames) > 5  # redrawn, not printed once

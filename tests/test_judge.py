@@ -571,6 +571,7 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
     assert status["endpoints"][0] == {
         "url": "http://judge-a.test/v1/responses",
         "in_flight": 0,
+        "failures": 0,
         "consecutive_failures": 0,
         "cooling_down": False,
         "clients": 1,
@@ -966,6 +967,7 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                 {
                     "url": f"{u}/v1/responses",
                     "in_flight": 0,
+                    "failures": 0,
                     "consecutive_failures": 0,
                     "cooling_down": False,
                     "clients": 0,

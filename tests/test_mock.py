@@ -511,9 +511,9 @@ def mock_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "genrm_trio.tools.mock", *args]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_cli_prints_the_listening_line_and_exits_0_on_signal(
-    tmp_path: Path, client: httpx2.AsyncClient, signum: signal.Signals
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+async def test_cli_prints_the_listening_line_and_exits_on_signal(
+    tmp_path: Path, client: httpx2.AsyncClient, signum: signal.Signals, code: int
 ) -> None:
     config = tmp_path / "judge.yaml"
     config.write_text(
@@ -547,7 +547,7 @@ async def test_cli_prints_the_listening_line_and_exits_0_on_signal(
             assert (first.status_code, first.headers["retry-after"]) == (429, "2")
             assert (await client.post(url + RESPONSES_PATH, json=responses_body())).is_success
             process.send_signal(signum)
-            assert await process.wait() == 0
+            assert await process.wait() == code
             assert await process.stdout.receive_some() == b""  # nothing after the one line
 
 

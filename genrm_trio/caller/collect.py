@@ -3,7 +3,7 @@
 ::
 
     run_collection                       owns: two httpx2 clients, the artifact files, progress
-      +-- progress task                  a live line on a terminal, plain lines otherwise
+      +-- progress task                  a tqdm bar on a terminal, plain lines otherwise
       +-- groups nursery                 at most --max-concurrent-groups groups at once
             +-- group                    one task's N members, dispatched together
                   +-- member             generate (policy), then /verify; one row per outcome
@@ -12,6 +12,18 @@ Group-level admission: a group takes one token of a capacity limiter before any 
 starts and gives it back when the last one ends, so a concurrency limit can never leave half a
 cohort waiting for a slot that only a finished group would free. Every HTTP call runs inside a
 trio deadline (``*_timeout_s``); httpx2's own timeouts are off.
+
+Server backpressure (:class:`_AdmissionGate`): a server at ``max_active_cohorts`` refuses the
+member that would open a NEW cohort with 429 ``overloaded`` (``Retry-After``) and admits every
+member of a cohort that exists. So a group's first member to be ready (the leader) is sent
+alone; the others follow once it was admitted: its answer came back and was not a refusal, or
+it has been waiting on its cohort for ``admission_probe_s``. A refused leader waits and retries;
+if it gives up, the rest of the group is never sent (recorded as ``admission`` failures), so a
+refused group can never open a cohort that waits out the collection deadline. Every ``/verify``
+request retries 429s, and 503s that carry ``Retry-After``: it waits the server's hint (at least
+it, plus up to 20 % jitter; without a hint, exponential from 0.5 s) but never more than
+``retry_after_cap_s`` at once, and gives up once the next wait would take its total past
+``backpressure_give_up_s``.
 
 Outcomes of one member: a 200 that is not masked is a success (``<out>.jsonl``); a masked 200
 (``judge_failed``) always goes to the sidecar; an HTTP error or transport failure goes to the
@@ -23,10 +35,13 @@ The caller side talks to the server over HTTP only; it never imports ``genrm_tri
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import math
 import os
+import random
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +69,7 @@ from genrm_trio.caller.aggregate import (
     split_classes,
     write_bytes_atomic,
 )
+from genrm_trio.caller.progress import show_progress
 from genrm_trio.errors import GenRMError
 from genrm_trio.metrics import MASK_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, encode_metrics
 
@@ -69,6 +85,9 @@ _GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _MAX_BODY_CHARS = 2000
 _IDENTITY_ALIASES = ("group_id", "group_attempt", GROUP_ID_KEY, GROUP_ATTEMPT_KEY)
+
+DEFAULT_SERVER_TOKEN_ENV = "GENRM_AUTH_TOKEN"
+"""Sent as the server's bearer token when set (name the server's ``auth_token_env`` alike)."""
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -103,6 +122,10 @@ class CollectOptions(msgspec.Struct, frozen=True, kw_only=True):
     policy_timeout_s: float = 600.0
     policy_retries: int = 2
     progress_interval_s: float = 10.0
+    server_token_env: str | None = None
+    admission_probe_s: float = 0.25
+    retry_after_cap_s: float = 30.0
+    backpressure_give_up_s: float = 900.0
 
 
 @dataclass
@@ -117,6 +140,7 @@ class CollectionResult:
     successes: int = 0
     masked: int = 0
     failed: int = 0
+    backpressure_retries: int = 0
     reason: str | None = None
 
 
@@ -140,24 +164,75 @@ class Progress:
     masked: int = 0
     failed: int = 0
     in_flight: int = 0
+    retries: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.masked + self.failed
 
     def line(self, now: float) -> str:
         elapsed = max(now - self.started_at, 1e-9)
-        finished = self.done + self.masked + self.failed
         return (
-            f"collect: {finished}/{self.total_rollouts} rollouts | done {self.done} "
+            f"collect: {self.finished}/{self.total_rollouts} rollouts | done {self.done} "
             f"masked {self.masked} failed {self.failed} in flight {self.in_flight} "
-            f"| {finished / elapsed:.1f}/s"
+            f"backpressure retries {self.retries} | {self.finished / elapsed:.1f}/s"
         )
 
 
 class _CallFailed(Exception):
     """One HTTP call gave no usable answer. ``status`` None: transport error or deadline."""
 
-    def __init__(self, message: str, status: int | None, body: str | None) -> None:
+    def __init__(self, message: str, status: int | None, body: str | None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
+        self.retry_after_s = retry_after_s
+
+
+def parse_retry_after(value: str | None, now_epoch_s: float) -> float | None:
+    """Seconds from a ``Retry-After`` value (delay-seconds or HTTP-date), None if absent or
+    malformed. A date in the past is 0."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - now_epoch_s)
+
+
+class _AdmissionGate:
+    """One group's admission: its leader probes the server, the others wait here.
+
+    ``decided`` is set once: ``refusal`` None means the followers may go; else the leader gave
+    up on backpressure and ``refusal`` is why (the followers are not sent)."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery  # the group's: holds the leader's probe timers
+        self.leader_taken = False
+        self.decided = trio.Event()
+        self.refusal: _CallFailed | None = None
+
+    def admit(self) -> None:
+        self.decided.set()
+
+    def refuse(self, failure: _CallFailed) -> None:
+        if not self.decided.is_set():
+            self.refusal = failure
+            self.decided.set()
+
+
+async def _admit_after(gate: _AdmissionGate, scope: trio.CancelScope, probe_s: float) -> None:
+    """The leader has waited ``probe_s`` without a refusal: it is in a cohort; open the gate."""
+    with scope:
+        await trio.sleep(probe_s)
+        gate.admit()
 
 
 def _bounded(text: str | None) -> str | None:
@@ -307,7 +382,8 @@ def _validate(options: CollectOptions) -> None:
         raise CollectError("--max-attempts must be >= 1")
     if options.policy_retries < 0:
         raise CollectError("--policy-retries must be >= 0")
-    for name in ("verify_timeout_s", "policy_timeout_s", "progress_interval_s"):
+    for name in ("verify_timeout_s", "policy_timeout_s", "progress_interval_s",
+                 "admission_probe_s", "retry_after_cap_s", "backpressure_give_up_s"):
         value = getattr(options, name)
         if not (math.isfinite(value) and value > 0):
             raise CollectError(f"--{name.replace('_', '-')} must be a finite number > 0")
@@ -315,6 +391,7 @@ def _validate(options: CollectOptions) -> None:
         raise CollectError("--replace-failed-groups needs explicit group ids (not --legacy-groups)")
     if options.policy_url is None:
         raise CollectError("no policy URL")
+    server_auth_headers(options)  # a named token variable that is not set: stop before any call
 
 
 class _Collector:
@@ -343,12 +420,15 @@ class _Collector:
         self.new_successes = 0
         self.new_masked = 0
         self.new_failed = 0
+        self.backpressure_retries = 0
+        self.rng = random.Random()
         headers = {}
         if options.policy_api_key_env:
             key = os.environ.get(options.policy_api_key_env)
             if key:
                 headers["authorization"] = f"Bearer {key}"
         self.policy_headers = headers
+        self.server_headers = server_auth_headers(options)
 
     async def _append(self, handle: Any, row: dict[str, Any], memory: Any) -> None:
         line = _encode(row) + b"\n"
@@ -411,7 +491,9 @@ class _Collector:
             raise _CallFailed(f"{type(exc).__name__}: {exc} ({url})", None, None) from exc
         text = response.text
         if response.status_code != 200:
-            raise _CallFailed(f"HTTP {response.status_code} from {url}", response.status_code, text)
+            raise _CallFailed(
+                f"HTTP {response.status_code} from {url}", response.status_code, text,
+                parse_retry_after(response.headers.get("retry-after"), time.time()))
         try:
             answer = _decode(response.content)
         except msgspec.DecodeError as exc:
@@ -450,9 +532,59 @@ class _Collector:
             return answer if self.options.policy_api == "responses" else _response_from_chat(answer)
         raise AssertionError("unreachable")
 
-    async def run_member(self, plan: GroupPlan, rollout_index: int) -> None:
+    def _backpressure_wait_s(self, failure: _CallFailed, retry: int) -> float | None:
+        """How long to wait before retrying a refused ``/verify``, or None: not backpressure."""
+        hint = failure.retry_after_s
+        if failure.status == 429:
+            base = hint if hint is not None else min(0.5 * 2.0 ** min(retry, 16), 30.0)
+        elif failure.status == 503 and hint is not None:
+            base = hint
+        else:
+            return None
+        return min(base * self.rng.uniform(1.0, 1.2), self.options.retry_after_cap_s)
+
+    async def verify(self, body: dict[str, Any], gate: _AdmissionGate | None = None) -> Any:
+        """POST one member to ``/verify``, waiting out backpressure (see the module docstring).
+
+        With ``gate`` (the group's leader), each attempt opens the gate once it has waited
+        ``admission_probe_s`` unrefused or was answered with anything but backpressure; giving
+        up refuses the gate. Raises _CallFailed with the last failure."""
+        url = self.options.server_url.rstrip("/") + "/verify"
+        waited_s = 0.0
+        retry = 0
+        while True:
+            probe = trio.CancelScope()
+            if gate is not None and not gate.decided.is_set():
+                gate.nursery.start_soon(_admit_after, gate, probe, self.options.admission_probe_s)
+            try:
+                answer = await self._post_json(
+                    self.server, url, body, self.options.verify_timeout_s, self.server_headers)
+            except _CallFailed as failure:
+                wait_s = self._backpressure_wait_s(failure, retry)
+                if wait_s is None or waited_s + wait_s > self.options.backpressure_give_up_s:
+                    if gate is not None:
+                        if wait_s is None:
+                            gate.admit()
+                        else:
+                            gate.refuse(failure)
+                    raise
+            else:
+                if gate is not None:
+                    gate.admit()
+                return answer
+            finally:
+                probe.cancel()
+            retry += 1
+            self.backpressure_retries += 1
+            self.progress.retries += 1
+            await trio.sleep(wait_s)
+            waited_s += wait_s
+
+    async def run_member(self, plan: GroupPlan, rollout_index: int,
+                         gate: _AdmissionGate | None = None) -> None:
         """Generate one rollout and verify it; record exactly one outcome. Never raises
-        (except Cancelled): failures become rows or counts."""
+        (except Cancelled): failures become rows or counts. With ``gate``, the first member to
+        be generated leads the group's admission and the others wait for it."""
         self.progress.in_flight += 1
         try:
             try:
@@ -467,11 +599,19 @@ class _Collector:
             if plan.group_id is not None:
                 body[GROUP_ID_KEY] = plan.group_id
                 body[GROUP_ATTEMPT_KEY] = plan.attempt
-            url = self.options.server_url.rstrip("/") + "/verify"
+            leads = gate is not None and not gate.leader_taken
+            if gate is not None and not leads:
+                await gate.decided.wait()
+                if gate.refusal is not None:
+                    refusal = gate.refusal
+                    await self.record_failure(plan, rollout_index, "admission", _CallFailed(
+                        f"not sent: the group's first member was refused ({refusal})",
+                        refusal.status, refusal.body))
+                    return
+            elif gate is not None:
+                gate.leader_taken = True
             try:
-                answer = await self._post_json(
-                    self.server, url, body, self.options.verify_timeout_s
-                )
+                answer = await self.verify(body, gate if leads else None)
             except _CallFailed as failure:
                 await self.record_failure(plan, rollout_index, "verify", failure)
                 return
@@ -486,20 +626,24 @@ class _Collector:
         """All N members of one group at once; gives back the group's limiter token at the end."""
         try:
             async with trio.open_nursery() as members:
+                gate = _AdmissionGate(members) if self.options.num_repeats > 1 else None
                 for rollout_index in range(self.options.num_repeats):
-                    members.start_soon(self.run_member, plan, rollout_index)
+                    members.start_soon(self.run_member, plan, rollout_index, gate)
         finally:
             limiter.release_on_behalf_of(plan)
 
 
-async def _show_progress(progress: Progress, stream: TextIO, interval_s: float) -> None:
-    """Redraw a live line on a terminal (every 0.5 s), else print a line every interval_s."""
-    tty = stream.isatty()
-    while True:
-        await trio.sleep(0.5 if tty else interval_s)
-        line = progress.line(trio.current_time())
-        stream.write(f"\r\x1b[2K{line}" if tty else line + "\n")
-        stream.flush()
+def server_auth_headers(options: CollectOptions) -> dict[str, str]:
+    """The ``Authorization`` header for the server: the token in ``server_token_env`` (default
+    :data:`DEFAULT_SERVER_TOKEN_ENV`, used only when set). Raises CollectError when a variable
+    named explicitly is not set. The token is never logged."""
+    name = options.server_token_env or DEFAULT_SERVER_TOKEN_ENV
+    token = os.environ.get(name, "").strip()
+    if not token:
+        if options.server_token_env is not None:
+            raise CollectError(f"--server-token-env: environment variable {name!r} is not set")
+        return {}
+    return {"authorization": f"Bearer {token}"}
 
 
 def _read_existing(path: Path) -> list[dict[str, Any]]:
@@ -573,15 +717,14 @@ async def run_collection(
         )
         if plans:
             async with trio.open_nursery() as outer:
-                outer.start_soon(_show_progress, progress, stream, options.progress_interval_s)
+                outer.start_soon(show_progress, progress, stream, options.progress_interval_s)
                 limiter = trio.CapacityLimiter(options.max_concurrent_groups)
                 async with trio.open_nursery() as groups:
                     for plan in plans:
                         await limiter.acquire_on_behalf_of(plan)
                         groups.start_soon(collector.run_group, plan, limiter)
                 outer.cancel_scope.cancel()
-            end = "\n" if stream.isatty() else ""
-            stream.write(f"{end}{progress.line(trio.current_time())}\n")
+            stream.write(f"{progress.line(trio.current_time())}\n")
             stream.flush()
 
     metrics_input = build_metrics_input(
@@ -596,6 +739,7 @@ async def run_collection(
         successes=collector.new_successes,
         masked=collector.new_masked,
         failed=collector.new_failed,
+        backpressure_retries=collector.backpressure_retries,
     )
     if not metrics_input.has_result:
         result.exit_code = 1
@@ -673,6 +817,16 @@ async def collect_main(
 @click.option("--policy-timeout-s", default=600.0, show_default=True, type=float)
 @click.option("--policy-retries", default=2, show_default=True, type=int)
 @click.option("--progress-interval-s", default=10.0, show_default=True, type=float)
+@click.option("--server-token-env", default=None, metavar="ENV",
+              help=f"Environment variable holding the server's bearer token (default: "
+              f"{DEFAULT_SERVER_TOKEN_ENV}, sent only when set).")
+@click.option("--admission-probe-s", default=0.25, show_default=True, type=float,
+              help="A group's first member unrefused this long counts as admitted; then the "
+              "rest of the group is sent.")
+@click.option("--retry-after-cap-s", default=30.0, show_default=True, type=float,
+              help="Longest single wait on a 429 / 503 Retry-After.")
+@click.option("--backpressure-give-up-s", default=900.0, show_default=True, type=float,
+              help="Total waiting on backpressure after which a request gives up.")
 def collect_cli(
     mock_policy_overrides: tuple[str, ...], count_classes: tuple[str, ...], **kwargs: Any
 ) -> None:
@@ -681,6 +835,9 @@ def collect_cli(
     Exit codes: 0 done (metrics written unless --disable-aggregation), 1 no result (no success
     and no counted failure; no metrics file), 2 bad input, options or artifacts.
     """
+    from genrm_trio.logs import setup_logging
+
+    setup_logging("INFO", "auto")  # JSON lines off a terminal, key=value on one
     options = CollectOptions(count_failure_classes_as_zero=split_classes(count_classes), **kwargs)
     if options.policy_url is None and not mock_policy_overrides:
         log.info("no --policy-url: using the embedded mock policy")

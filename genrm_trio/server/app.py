@@ -6,6 +6,13 @@ Every route reads the whole request body before answering (an unread body can ha
 keep-alive request on the same connection; a body refused as too large closes the connection
 instead), and every documented condition is a JSON answer with ``detail`` and ``failure_kind``;
 an unexpected exception is the only way to a 500.
+
+With ``auth_token_env`` set, :func:`with_verify_fast_path` checks the bearer token of every HTTP
+request but ``/health``, ``/healthz`` and ``/readyz`` before any route runs (server/auth.py) and
+answers 401 ``unauthorized``. A refused request's body is still read (up to
+:data:`UNAUTHORIZED_DRAIN_BYTES` and ``request_read_timeout_s``; past either the answer carries
+``Connection: close``) for the keep-alive reason above. Client disconnects, 429s and 401s are
+logged at most once per :data:`NOTE_INTERVAL_S` each, with a count.
 """
 
 from __future__ import annotations
@@ -23,13 +30,19 @@ from genrm_trio import metrics as metrics_mod
 from genrm_trio import scoring, wire
 from genrm_trio.config import Config, config_summary
 from genrm_trio.errors import JudgeFailed, TooLarge, WireError
+from genrm_trio.logs import RateLimitedNote
+from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import CohortRegistry, Outcome, Rewarded
 from genrm_trio.server.judge import Judge, JudgeRequest
-from genrm_trio.server.prometheus import render_metrics
+from genrm_trio.server.prometheus import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+UNAUTHORIZED_DRAIN_BYTES = 64 * 1024
+"""A refused request's body is read up to this size; a longer one closes the connection."""
+NOTE_INTERVAL_S = 10.0
+"""At most one log line per this many seconds for disconnects, 429s and 401s each."""
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -54,9 +67,15 @@ async def _read_body() -> bytes:
         ) from exc
 
 
-def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio:
-    """Build the quart-trio app. The registry and judge are owned by ``serve``; the app only
-    borrows them, so it starts no task of its own."""
+def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
+               metrics: ServerMetrics | None = None) -> QuartTrio:
+    """Build the quart-trio app. The registry, judge and metrics are owned by ``serve``; the app
+    only borrows them, so it starts no task of its own. Without ``metrics`` (tests), a
+    :class:`ServerMetrics` reading ``registry`` and ``judge`` is made here."""
+    if metrics is None:
+        metrics = ServerMetrics()
+        metrics.read_from(registry, judge)
+    exposition = metrics
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_request_bytes
     app.config["RESPONSE_TIMEOUT"] = None
@@ -139,8 +158,8 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge) -> QuartTrio
     @app.get("/metrics")
     async def prometheus() -> Response:
         await request.get_data()
-        text = render_metrics(registry, judge)
-        return Response(text, status=200, content_type="text/plain; version=0.0.4")
+        text, content_type = exposition.render()
+        return Response(text, status=200, content_type=content_type)
 
     return app
 
@@ -170,69 +189,113 @@ class VerifyEndpoint:
     waiter (the registry's ``finally``).
     """
 
-    def __init__(self, cfg: Config, registry: CohortRegistry) -> None:
+    def __init__(self, cfg: Config, registry: CohortRegistry,
+                 metrics: ServerMetrics | None = None) -> None:
         self._cfg = cfg
         self._registry = registry
+        self._metrics = metrics
+        self._disconnects = RateLimitedNote(
+            logger, "client went away before its /verify answer (its waiter removed)",
+            NOTE_INTERVAL_S)
+        self._overloaded = RateLimitedNote(
+            logger, "/verify refused a new cohort: 429 overloaded", NOTE_INTERVAL_S)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = trio.current_time()
+        label = await self._answer(scope, receive, send)
+        if self._metrics is not None:
+            self._metrics.observe_verify(label, trio.current_time() - started)
+
+    async def _answer(self, scope: Any, receive: Any, send: Any) -> str:
+        """Read, decode, register, wait, answer. Returns the outcome label for metrics."""
         raw = await self._read_body(scope, receive, send)
-        if raw is None:
-            return
+        if isinstance(raw, str):
+            return raw
         try:
             member = wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt)
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
-            return
+            return exc.failure_kind or "bad_request"
         del raw  # the decoded body is what waits; the bytes need not wait with it
         if self._cfg.num_rollouts_per_prompt <= 1:
             await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
-            return
+            return "rewarded"
         outcome: Outcome | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             outcome = await self._registry.verify(member)
             nursery.cancel_scope.cancel()
         if outcome is None:  # the client went away; nobody to answer
-            return
+            self._disconnects.note()
+            return "disconnected"
         status, body, headers = verify_answer(member, outcome)
         await _send_json(send, status, body, headers)
+        if isinstance(outcome, Rewarded):
+            return "rewarded"
+        if outcome.kind == "overloaded":
+            self._overloaded.note()
+        return "masked" if outcome.masked else outcome.kind
 
-    async def _read_body(self, scope: Any, receive: Any, send: Any) -> bytes | None:
-        """The whole body, or None once it has been answered (413, 408) or the client left.
-        Reading is bounded by ``request_read_timeout_s``: a client that trickles its body
-        holds a handler and its buffer no longer than that."""
+    async def _read_body(self, scope: Any, receive: Any, send: Any) -> bytes | str:
+        """The whole body, or the label of what happened instead once it has been answered
+        (``too_large``, ``request_timeout``) or the client left (``disconnected``). Reading is
+        bounded by ``request_read_timeout_s``: a client that trickles its body holds a handler
+        and its buffer no longer than that."""
         limit = self._cfg.max_request_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await self._too_large(send)
-                return None
-        chunks: list[bytes] = []
-        size = 0
+        declared = _declared_length(scope)
+        if declared is not None and declared > limit:
+            await self._too_large(send)
+            return "too_large"
         with trio.move_on_after(self._cfg.request_read_timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":  # http.disconnect
-                    return None
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    await self._too_large(send)
-                    return None
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(chunks)
-        del chunks
+            body = await read_body_within(receive, limit)
+            if body is None:
+                return "disconnected"
+            if body is TOO_LARGE:
+                await self._too_large(send)
+                return "too_large"
+            assert isinstance(body, bytes)
+            return body
         # The rest of the body stays unread, so the connection must not be reused.
         await _send_json(send, 408, wire.error_body(_read_timeout_detail(self._cfg),
                                                     "request_timeout"),
                          [(b"connection", b"close")])
-        return None
+        return "request_timeout"
 
     async def _too_large(self, send: Any) -> None:
         # The rest of the body stays unread, so the connection must not be reused.
         detail = f"request body exceeds max_request_bytes ({self._cfg.max_request_bytes} bytes)"
         await _send_json(send, 413, wire.error_body(detail, "too_large"),
                          [(b"connection", b"close")])
+
+
+TOO_LARGE = object()
+"""What :func:`read_body_within` returns for a body over its limit."""
+
+
+async def read_body_within(receive: Any, limit: int) -> bytes | object | None:
+    """Read an ASGI request body: the bytes, :data:`TOO_LARGE` as soon as more than ``limit``
+    bytes arrived (the rest is left unread: answer with ``Connection: close``), or None when the
+    client went away first. The caller bounds the time."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return TOO_LARGE
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _declared_length(scope: Any) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return None
 
 
 def _read_timeout_detail(cfg: Config) -> str:
@@ -258,11 +321,15 @@ async def _send_json(send: Any, status: int, body: Any,
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry) -> Any:
+def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry, *,
+                          auth: BearerAuth | None = None,
+                          metrics: ServerMetrics | None = None) -> Any:
     """The ASGI application served: ``POST /verify`` goes to :class:`VerifyEndpoint`,
-    everything else (other routes, lifespan) to the quart-trio app."""
-    verify = VerifyEndpoint(cfg, registry)
+    everything else (other routes, lifespan) to the quart-trio app. With ``auth``, an HTTP
+    request without the bearer token is answered 401 here, before either sees it."""
+    verify = VerifyEndpoint(cfg, registry, metrics)
     grace_s = cfg.shutdown_grace_s
+    refused = RateLimitedNote(logger, "request refused: 401 unauthorized", NOTE_INTERVAL_S)
 
     async def application(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -277,7 +344,13 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry)
             with trio.move_on_after(grace_s, shield=True):
                 await send(message)
 
-        if scope["path"] != "/verify":
+        if auth is not None and not auth.allows(scope["path"], scope["headers"]):
+            # Never log what the client sent: it may be a near-miss of the real token.
+            refused.note({"path": scope["path"][:100]})
+            if metrics is not None:
+                metrics.unauthorized()
+            await _unauthorized(cfg, scope, receive, shielded_send)
+        elif scope["path"] != "/verify":
             await app(scope, receive, shielded_send)
         elif scope["method"] == "POST":
             await verify(scope, receive, shielded_send)
@@ -290,6 +363,23 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry)
             )
 
     return application
+
+
+async def _unauthorized(cfg: Config, scope: Any, receive: Any, send: Any) -> None:
+    """401 ``unauthorized``; the body is drained first (keep-alive stays usable) unless it is
+    over :data:`UNAUTHORIZED_DRAIN_BYTES` or slower than ``request_read_timeout_s``, when the
+    connection is closed instead."""
+    headers = [(b"www-authenticate", b'Bearer realm="genrm-trio"')]
+    declared = _declared_length(scope)
+    body: bytes | object | None = TOO_LARGE
+    if declared is None or declared <= UNAUTHORIZED_DRAIN_BYTES:
+        with trio.move_on_after(cfg.request_read_timeout_s):
+            body = await read_body_within(receive, UNAUTHORIZED_DRAIN_BYTES)
+    if body is None:
+        return
+    if body is TOO_LARGE:
+        headers.append((b"connection", b"close"))
+    await _send_json(send, 401, wire.error_body(UNAUTHORIZED_DETAIL, "unauthorized"), headers)
 
 
 async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Response:

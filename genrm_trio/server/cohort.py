@@ -95,6 +95,12 @@ class PairJudge(Protocol):
     async def judge_pair(self, request: JudgeRequest) -> scoring.Verdict: ...
 
 
+class CohortObserver(Protocol):
+    """Told of every cohort disposition (server/prometheus.py's ServerMetrics is one)."""
+
+    def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None) -> None: ...
+
+
 class _Member:
     __slots__ = ("digest", "response", "_answer")
 
@@ -119,7 +125,7 @@ class Cohort:
         "key", "size", "prompt_digest", "history", "principle",
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
-        "pairs_done",
+        "pairs_done", "evaluating_at",
     )
 
     def __init__(
@@ -145,6 +151,7 @@ class Cohort:
         self.started_pairs: set[int] = set()
         self.results: dict[int, scoring.Verdict] = {}
         self.pairs_done = trio.Event()
+        self.evaluating_at: float | None = None
 
     @property
     def legacy(self) -> bool:
@@ -191,8 +198,9 @@ class CohortRegistry:
     """
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, observer: CohortObserver | None = None) -> None:
         self._cfg = cfg
+        self._observer = observer
         self._judge = judge
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
@@ -217,8 +225,8 @@ class CohortRegistry:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, cfg: Config, judge: PairJudge,
-                   journal: Journal | None = None) -> AsyncIterator[CohortRegistry]:
+    async def open(cls, cfg: Config, judge: PairJudge, journal: Journal | None = None,
+                   observer: CohortObserver | None = None) -> AsyncIterator[CohortRegistry]:
         """Open a registry with its own nursery for the lifetime of the block.
 
         Cohort tasks run in that nursery only. Leaving the block (normally or by an exception)
@@ -226,7 +234,7 @@ class CohortRegistry:
         cohort task ends promptly; the block then waits for them. Cohort failures never
         propagate out of here (each cohort task contains its own)."""
         async with trio.open_nursery() as nursery:
-            registry = cls(cfg, judge, nursery, journal)
+            registry = cls(cfg, judge, nursery, journal, observer)
             try:
                 yield registry
             finally:
@@ -461,8 +469,8 @@ class CohortRegistry:
         cohort.size_bytes += member.size_bytes
         self._active_bytes += member.size_bytes
         cohort.arrival.set()
-        if len(cohort.members) == cohort.size:
-            self._transition(cohort, Phase.EVALUATING)
+        if len(cohort.members) == cohort.size and self._transition(cohort, Phase.EVALUATING):
+            cohort.evaluating_at = trio.current_time()
 
     def _transition(self, cohort: Cohort, new: Phase) -> bool:
         """The one place a phase changes: compare-and-set against the allowed transitions.
@@ -596,12 +604,10 @@ class CohortRegistry:
             return
         cohort.rewards = tuple(float(r) for r in rewards)
         cohort.digests = digests
+        self._disposed(cohort, "completed",
+                       f"rewards {[round(r, 4) for r in cohort.rewards[:16]]}")
         self._retire(cohort)
         self.counters["cohorts_completed"] += 1
-        logger.info(
-            "%s completed after %.3f s: rewards %s", identity.describe(cohort.key),
-            trio.current_time() - cohort.opened_at, [round(r, 4) for r in cohort.rewards],
-        )
         cohort.done.set()
 
     # ------------------------------------------------------------------ failure & retention
@@ -614,15 +620,36 @@ class CohortRegistry:
         cohort.failure = failure
         # Comparisons already started (finished or still in flight) are lost with the cohort.
         self.counters["comparisons_wasted"] += len(cohort.started_pairs)
+        self._disposed(cohort, failure.kind, bound_text(failure.detail, 300))
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
-        logger.info(
-            "%s failed (%s) after %.3f s: %s", identity.describe(cohort.key), failure.kind,
-            trio.current_time() - cohort.opened_at, bound_text(failure.detail, 300),
-        )
         cohort.done.set()
         cohort.scope.cancel()
         return True
+
+    def _disposed(self, cohort: Cohort, kind: str, detail: str) -> None:
+        """The one log line per cohort disposition (structured fields for JSON logs), and the
+        observer's durations. Called at the terminal transition, before members are dropped."""
+        now = trio.current_time()
+        evaluating_at = cohort.evaluating_at
+        collection_s = (now if evaluating_at is None else evaluating_at) - cohort.opened_at
+        evaluation_s = None if evaluating_at is None else now - evaluating_at
+        key = identity.describe(cohort.key)  # bounded, control characters escaped
+        logger.info(
+            "%s %s after %.3f s: %s", key,
+            "completed" if kind == "completed" else f"failed ({kind})",
+            now - cohort.opened_at, detail,
+            extra={
+                "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
+                "members": len(cohort.members), "size": cohort.size,
+                "total_s": round(now - cohort.opened_at, 6),
+                "collection_s": round(collection_s, 6),
+                "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
+                "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
+            },
+        )
+        if self._observer is not None:
+            self._observer.cohort_done(kind, collection_s, evaluation_s)
 
     def _retire(self, cohort: Cohort) -> None:
         """Move a cohort that just became terminal out of the active set, keep its record."""

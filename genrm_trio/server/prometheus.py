@@ -1,81 +1,223 @@
-"""Prometheus text exposition for ``GET /metrics``.
+"""``GET /metrics``: the Prometheus exposition, built with ``prometheus_client``.
 
-Written by hand (about forty lines) rather than with prometheus_client: that library keeps a
-process-global registry, and everything here already lives in counters owned by the registry and
-the judge, so rendering them is all that is needed.
+The only module that imports ``prometheus_client``. :class:`ServerMetrics` owns its own
+``CollectorRegistry`` (never the library's process-global one, so two servers in one process,
+as in the tests, never share a series). Two kinds of metric live in it:
+
+- **Histograms** fed by hooks as things happen: ``/verify`` latency (the app), cohort collection
+  and evaluation time (the cohort registry calls :meth:`ServerMetrics.cohort_done`), judge call
+  latency per endpoint (the judge calls :meth:`ServerMetrics.judge_call`), and the 401 counter.
+- **Read at scrape time** (:class:`_SnapshotCollector`): the registry's gauges and counters and
+  the judge's stats and endpoint table, so the code that owns those numbers keeps plain ints and
+  needs no knowledge of Prometheus.
+
+Names: counters end in ``_total``, durations are ``*_seconds``; values are written by the library
+(full precision, no ``%g``). Label values are bounded: outcomes and failure kinds come from fixed
+sets, judge endpoints from the configuration (``judge.base_urls``, shown without credentials),
+attempt-failure reasons from a fixed set plus ``http_<status>``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from genrm_trio.server.cohort import CohortRegistry
     from genrm_trio.server.judge import Judge
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _family(name: str, kind: str, help_text: str,
-            samples: Iterable[tuple[Mapping[str, str], float]]) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        lines.append(f"{name}{{{label_text}}} {value:g}" if label_text else f"{name} {value:g}")
-    return lines
+# From a loopback millisecond to past the 1800 s default deadlines.
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0, 1800.0, 3600.0, float("inf"),
+)
 
 
-def render_metrics(registry: CohortRegistry, judge: Judge) -> str:
+class ServerMetrics:
+    """One server's metrics. Created by ``serve`` before the judge and the registry (they get
+    its hooks), then pointed at them with :meth:`read_from`. Hooks are plain synchronous calls,
+    cheap enough for the ``/verify`` hot path; nothing here blocks or starts a task."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._verify = Histogram(
+            "genrm_verify_duration_seconds",
+            "Time from a /verify request's start to its answer, by outcome (rewarded, masked, "
+            "a failure kind, or disconnected).",
+            ["outcome"], registry=self.registry, buckets=DURATION_BUCKETS_S)
+        self._collection = Histogram(
+            "genrm_cohort_collection_seconds",
+            "Time from a cohort's first member to its last (outcome complete) or to its failure "
+            "while collecting (outcome: the failure kind).",
+            ["outcome"], registry=self.registry, buckets=DURATION_BUCKETS_S)
+        self._evaluation = Histogram(
+            "genrm_cohort_evaluation_seconds",
+            "Time from a full cohort to its outcome (completed, or the failure kind).",
+            ["outcome"], registry=self.registry, buckets=DURATION_BUCKETS_S)
+        self._judge_call = Histogram(
+            "genrm_judge_call_duration_seconds",
+            "One judge attempt (HTTP request, plugin or built-in call), by endpoint and result "
+            "(ok or error).",
+            ["endpoint", "result"], registry=self.registry, buckets=DURATION_BUCKETS_S)
+        self._unauthorized = Counter(
+            "genrm_http_unauthorized", "Requests refused with 401 unauthorized.",
+            registry=self.registry)
+        self._snapshot = _SnapshotCollector()
+        self.registry.register(self._snapshot)
+
+    def read_from(self, registry: CohortRegistry, judge: Judge) -> None:
+        """Read ``registry`` and ``judge`` at every scrape from now on (they outlive this)."""
+        self._snapshot.registry = registry
+        self._snapshot.judge = judge
+
+    # ---------------------------------------------------------------- hooks
+
+    def observe_verify(self, outcome: str, seconds: float) -> None:
+        self._verify.labels(outcome).observe(seconds)
+
+    def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None) -> None:
+        """A cohort reached its disposition ``kind`` (``completed`` or a failure kind).
+        ``evaluation_s`` is None when it never left collecting."""
+        self._collection.labels("complete" if evaluation_s is not None else kind).observe(
+            collection_s)
+        if evaluation_s is not None:
+            self._evaluation.labels(kind).observe(evaluation_s)
+
+    def judge_call(self, endpoint: str, ok: bool, seconds: float) -> None:
+        self._judge_call.labels(endpoint, "ok" if ok else "error").observe(seconds)
+
+    def unauthorized(self) -> None:
+        self._unauthorized.inc()
+
+    # ---------------------------------------------------------------- exposition
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _SnapshotCollector(Collector):
+    """Builds families from the registry's and the judge's own counters at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry: CohortRegistry | None = None
+        self.judge: Judge | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on what the sources hold; no up-front description
+
+    def collect(self) -> Iterator[Metric]:
+        if self.registry is not None:
+            yield from _registry_families(self.registry)
+        if self.judge is not None:
+            yield from _judge_families(self.judge)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
     snap = registry.snapshot()
+    active = GaugeMetricFamily("genrm_active_cohorts", "Active cohorts by phase.",
+                               labels=["phase"])
+    active.add_metric(["collecting"], snap["collecting"])
+    active.add_metric(["evaluating"], snap["evaluating"])
+    yield active
+    yield _gauge("genrm_waiters", "Requests waiting on a cohort outcome.", snap["waiters"])
+    yield _gauge("genrm_retained_records", "Terminal cohort records retained.",
+                 snap["retained_records"])
+    yield _gauge("genrm_watermarks", "Group attempt watermarks retained.", snap["watermarks"])
+    yield _gauge("genrm_active_bytes", "Request bytes held by active cohorts.",
+                 snap["active_bytes"])
+    yield _gauge("genrm_shutting_down", "1 once shutdown has begun.",
+                 1.0 if registry.shutting_down else 0.0)
     counters = registry.counters
-    lines: list[str] = []
-    lines += _family("genrm_active_cohorts", "gauge", "Active cohorts by phase.", [
-        ({"phase": "collecting"}, snap["collecting"]),
-        ({"phase": "evaluating"}, snap["evaluating"]),
-    ])
-    lines += _family("genrm_waiters", "gauge", "Requests waiting on a cohort outcome.",
-                     [({}, snap["waiters"])])
-    lines += _family("genrm_retained_records", "gauge", "Terminal cohort records retained.",
-                     [({}, snap["retained_records"])])
-    lines += _family("genrm_active_bytes", "gauge", "Request bytes held by active cohorts.",
-                     [({}, snap["active_bytes"])])
-    lines += _family("genrm_cohorts_opened_total", "counter", "Cohorts opened.",
-                     [({}, counters["cohorts_opened"])])
-    lines += _family("genrm_cohorts_completed_total", "counter", "Cohorts completed.",
-                     [({}, counters["cohorts_completed"])])
-    lines += _family("genrm_cohorts_failed_total", "counter", "Cohorts failed, by kind.", [
-        ({"kind": k.removeprefix("cohorts_failed_")}, v)
-        for k, v in sorted(counters.items()) if k.startswith("cohorts_failed_")
-    ])
-    lines += _family("genrm_comparisons_started_total", "counter",
-                     "Pair comparisons started by cohorts (each one judge_pair, retries included).",
-                     [({}, counters["comparisons_started"])])
-    lines += _family("genrm_comparisons_wasted_total", "counter",
-                     "Comparisons started by cohorts that then failed (their verdicts discarded).",
-                     [({}, counters["comparisons_wasted"])])
-    lines += _family("genrm_verify_answers_total", "counter", "/verify answers, by outcome.", [
-        ({"outcome": k.removeprefix("verify_")}, v)
-        for k, v in sorted(counters.items()) if k.startswith("verify_")
-    ])
+    yield CounterMetricFamily("genrm_cohorts_opened", "Cohorts opened.",
+                              value=counters["cohorts_opened"])
+    yield CounterMetricFamily("genrm_cohorts_completed", "Cohorts completed.",
+                              value=counters["cohorts_completed"])
+    failed = CounterMetricFamily("genrm_cohorts_failed", "Cohorts failed, by kind.",
+                                 labels=["kind"])
+    answers = CounterMetricFamily("genrm_verify_answers", "/verify answers from the registry, "
+                                  "by outcome.", labels=["outcome"])
+    for name, value in sorted(counters.items()):
+        if name.startswith("cohorts_failed_"):
+            failed.add_metric([name.removeprefix("cohorts_failed_")], value)
+        elif name.startswith("verify_"):
+            answers.add_metric([name.removeprefix("verify_")], value)
+    yield failed
+    yield answers
+    yield CounterMetricFamily(
+        "genrm_comparisons_started",
+        "Pair comparisons started by cohorts (each one judge_pair, retries included).",
+        value=counters["comparisons_started"])
+    yield CounterMetricFamily(
+        "genrm_comparisons_wasted",
+        "Comparisons started by cohorts that then failed (their verdicts discarded).",
+        value=counters["comparisons_wasted"])
     journal = registry.journal
     if journal is not None:
         state = journal.status()
-        lines += _family("genrm_journal_degraded", "gauge",
-                         "1 once a state journal write failed (memory stays the truth).",
-                         [({}, float(state["degraded"]))])
-        lines += _family("genrm_journal_write_failures_total", "counter",
-                         "State journal writes that failed.", [({}, state["failed_writes"])])
+        yield _gauge("genrm_journal_degraded",
+                     "1 once a state journal write failed (memory stays the truth).",
+                     float(state["degraded"]))
+        yield CounterMetricFamily("genrm_journal_write_failures", "State journal writes that "
+                                  "failed.", value=state["failed_writes"])
+
+
+def _judge_families(judge: Judge) -> Iterator[Metric]:
     fields: dict[str, Any] = dataclasses.asdict(judge.stats)
     for name, value in sorted(fields.items()):
         if isinstance(value, Mapping):
-            lines += _family(f"genrm_judge_{name}", "counter", f"Judge {name}, by reason.", [
-                ({"reason": str(k)}, float(v)) for k, v in sorted(value.items())
-            ])
-        elif isinstance(value, (int, float)):
-            kind = "counter" if not name.endswith("in_flight") else "gauge"
-            lines += _family(f"genrm_judge_{name}", kind, f"Judge {name}.", [({}, float(value))])
-    return "\n".join(lines) + "\n"
+            # failures_by_reason counts failed attempts, not comparisons: say so in the name.
+            base = "attempt_failures" if name == "failures_by_reason" else name.removesuffix(
+                "_by_reason")
+            family = CounterMetricFamily(
+                f"genrm_judge_{base}",
+                f"Judge {name.replace('_', ' ')}.", labels=["reason"])
+            for reason, count in sorted(value.items()):
+                family.add_metric([str(reason)[:64]], float(count))
+            yield family
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            base = name.removesuffix("_sum")
+            if name.endswith("in_flight"):
+                yield _gauge(f"genrm_judge_{name}", f"Judge {name.replace('_', ' ')}.", value)
+            else:
+                yield CounterMetricFamily(f"genrm_judge_{base}",
+                                          f"Judge {base.replace('_', ' ')} (monotonic).",
+                                          value=float(value))
+    status = judge.status()
+    limiter = status.get("limiter") or {}
+    yield _gauge("genrm_judge_limiter_in_use", "Judge calls holding a judge_max_concurrency "
+                 "token.", float(limiter.get("in_use", 0)))
+    yield _gauge("genrm_judge_limiter_capacity", "judge_max_concurrency.",
+                 float(limiter.get("total", 0)))
+    in_flight = GaugeMetricFamily("genrm_judge_endpoint_in_flight",
+                                  "Judge calls in flight, by endpoint.", labels=["endpoint"])
+    consecutive = GaugeMetricFamily("genrm_judge_endpoint_consecutive_failures",
+                                    "Consecutive failed calls, by endpoint.", labels=["endpoint"])
+    cooling = GaugeMetricFamily("genrm_judge_endpoint_cooling",
+                                "1 while the endpoint is skipped for its cool-down.",
+                                labels=["endpoint"])
+    failures = CounterMetricFamily("genrm_judge_endpoint_failures",
+                                   "Failed calls, by endpoint.", labels=["endpoint"])
+    for endpoint in status.get("endpoints") or []:
+        label = [str(endpoint.get("url", "?"))]
+        in_flight.add_metric(label, float(endpoint.get("in_flight", 0)))
+        consecutive.add_metric(label, float(endpoint.get("consecutive_failures", 0)))
+        cooling.add_metric(label, 1.0 if endpoint.get("cooling_down") else 0.0)
+        failures.add_metric(label, float(endpoint.get("failures", 0)))
+    yield in_flight
+    yield consecutive
+    yield cooling
+    yield failures
+
+
+__all__ = ["DURATION_BUCKETS_S", "ServerMetrics"]

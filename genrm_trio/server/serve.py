@@ -6,13 +6,16 @@ failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nu
 one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
 waiter answers its 503), Hypercorn stops accepting and gives open connections ``shutdown_grace_s``
 to finish, then the root nursery is cancelled. :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's
-programmatic ``serve`` installs no signal handlers)."""
+programmatic ``serve`` installs no signal handlers): both shut down gracefully; it returns which
+one arrived, so the CLI can exit 0 on SIGTERM (the orchestrator's normal stop) and 130 on SIGINT
+(Ctrl-C, the shell's convention)."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import math
+import os
 import signal
 from functools import partial
 
@@ -22,9 +25,11 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from genrm_trio.config import Config
 from genrm_trio.server.app import create_app, with_verify_fast_path
+from genrm_trio.server.auth import BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
+from genrm_trio.server.prometheus import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +63,24 @@ async def run_server(
 
     Reports the bound base URL (``http://127.0.0.1:PORT``, so port 0 works) through
     ``task_status``. Graceful shutdown answers every waiter with a 503 ``shutdown`` JSON body
-    before connections close, then returns.
+    before connections close, then returns. Raises :class:`~genrm_trio.errors.ConfigError`
+    before binding when ``auth_token_env`` names a variable that is not set.
     """
     stop = shutdown if shutdown is not None else trio.Event()
+    token = read_auth_token(cfg, os.environ)
+    auth = BearerAuth(token) if token is not None else None
+    del token
     journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
                else None)
+    metrics = ServerMetrics()
     try:
         async with (
-            open_judge(cfg) as judge,
-            CohortRegistry.open(cfg, judge, journal) as registry,
+            open_judge(cfg, observer=metrics) as judge,
+            CohortRegistry.open(cfg, judge, journal, observer=metrics) as registry,
             trio.open_nursery() as root,
         ):
-            await _serve_in(cfg, judge, registry, root, stop, task_status)
+            metrics.read_from(registry, judge)
+            await _serve_in(cfg, judge, registry, root, stop, auth, metrics, task_status)
     finally:
         if journal is not None:
             journal.close()
@@ -77,10 +88,10 @@ async def run_server(
 
 async def _serve_in(
     cfg: Config, judge: Judge, registry: CohortRegistry, root: trio.Nursery, stop: trio.Event,
-    task_status: trio.TaskStatus[str],
+    auth: BearerAuth | None, metrics: ServerMetrics, task_status: trio.TaskStatus[str],
 ) -> None:
     """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``."""
-    app = create_app(cfg, registry, judge)
+    app = create_app(cfg, registry, judge, metrics)
 
     @app.after_serving
     async def _lifespan_end() -> None:
@@ -92,7 +103,8 @@ async def _serve_in(
 
     async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(
-            with_verify_fast_path(app, cfg, registry), _hypercorn_config(cfg),
+            with_verify_fast_path(app, cfg, registry, auth=auth, metrics=metrics),
+            _hypercorn_config(cfg),
             shutdown_trigger=shutdown_trigger,
             task_status=task_status,
         )
@@ -106,11 +118,12 @@ async def _serve_in(
     task_status.started(url)
 
 
-async def serve_main(cfg: Config) -> None:
+async def serve_main(cfg: Config) -> int | None:
     """``genrm-trio serve``: run until SIGINT/SIGTERM, then shut down gracefully within
     ``shutdown_grace_s`` (a second signal cancels at once). Prints one ``listening on`` line
-    once bound."""
+    once bound. Returns the first signal's number (None if the server stopped by itself)."""
     stop = trio.Event()
+    received: list[int] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as outer:
             async with trio.open_nursery() as server:
@@ -121,6 +134,7 @@ async def serve_main(cfg: Config) -> None:
                             server.cancel_scope.cancel()
                             continue
                         logger.info("%s received: shutting down", signal.Signals(signum).name)
+                        received.append(signum)
                         stop.set()
                         # Hypercorn's grace bounds the drain; this is the backstop.
                         server.cancel_scope.deadline = (
@@ -142,6 +156,7 @@ async def serve_main(cfg: Config) -> None:
                 gc.set_threshold(10_000, 10, 10)
             outer.cancel_scope.cancel()
     logger.info("stopped")
+    return received[0] if received else None
 
 
 __all__ = ["run_server", "serve_main"]

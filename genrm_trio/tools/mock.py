@@ -835,15 +835,19 @@ def _settings_from_cli(
     return settings_from_mapping(values)
 
 
-async def _serve_until_signal(settings: MockJudgeSettings) -> None:
+async def _serve_until_signal(settings: MockJudgeSettings) -> int:
+    """Serve until SIGINT or SIGTERM; returns which one arrived."""
+    received: int = signal.SIGTERM
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             base_url = await nursery.start(run_mock_judge, settings)
             print(f"genrm-trio mock-judge listening on {base_url}", flush=True)
             async for signum in signals:
                 log.info("mock judge stopping on signal %d", signum)
+                received = signum
                 nursery.cancel_scope.cancel()
                 break
+    return received
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -870,7 +874,7 @@ def mock_judge_cli(
     fault: str | None,
     fault_count: int | None,
 ) -> None:
-    """Run the fault-injecting mock GenRM judge until SIGINT/SIGTERM (exit 0).
+    """Run the fault-injecting mock GenRM judge until SIGTERM (exit 0) or Ctrl-C (exit 130).
 
     Prints one line, ``genrm-trio mock-judge listening on http://HOST:PORT``, once bound.
     Invalid settings: exit 2 with one line naming the key.
@@ -889,9 +893,13 @@ def mock_judge_cli(
     except ConfigError as exc:
         _fail(2, str(exc))
     try:
-        trio.run(_serve_until_signal, settings)
+        received = trio.run(_serve_until_signal, settings)
     except OSError as exc:
         _fail(1, f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
+    if received == signal.SIGINT:
+        from genrm_trio.cli import exit_interrupted
+
+        exit_interrupted()
 
 
 if __name__ == "__main__":

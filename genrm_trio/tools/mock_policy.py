@@ -278,14 +278,18 @@ def load_mock_policy_settings(
         raise click.BadParameter(f"mock-policy settings: {exc}") from exc
 
 
-async def _serve_until_signal(settings: MockPolicySettings) -> None:
+async def _serve_until_signal(settings: MockPolicySettings) -> int:
+    """Serve until SIGINT or SIGTERM; returns which one arrived."""
+    received: int = signal.SIGTERM
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(partial(run_mock_policy, settings))
             click.echo(f"genrm-trio mock-policy listening on {url}")
-            async for _ in signals:
+            async for signum in signals:
+                received = signum
                 break
             nursery.cancel_scope.cancel()
+    return received
 
 
 @click.command("mock-policy")
@@ -296,10 +300,14 @@ async def _serve_until_signal(settings: MockPolicySettings) -> None:
 def mock_policy_cli(
     host: str | None, port: int | None, config_path: str | None, overrides: tuple[str, ...]
 ) -> None:
-    """Run the deterministic OpenAI-compatible mock policy until SIGINT/SIGTERM."""
+    """Run the deterministic OpenAI-compatible mock policy until SIGTERM (exit 0) or Ctrl-C
+    (exit 130)."""
     try:
         settings = load_mock_policy_settings(config_path, overrides, host=host, port=port)
     except click.BadParameter as exc:
         click.echo(f"genrm-trio mock-policy: {exc.message}", err=True)
         raise SystemExit(2) from exc
-    trio.run(_serve_until_signal, settings)
+    if trio.run(_serve_until_signal, settings) == signal.SIGINT:
+        from genrm_trio.cli import exit_interrupted
+
+        exit_interrupted()

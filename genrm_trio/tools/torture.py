@@ -26,6 +26,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -857,6 +858,7 @@ async def run_http_torture(
     check_rewards: bool = True,
     strategy: str | None = None,
     settle_s: float = 0.0,
+    token: str | None = None,
 ) -> HttpSummary:
     """Drive a live ``/verify`` server over HTTP in rounds of a few groups each.
 
@@ -868,7 +870,8 @@ async def run_http_torture(
     ``max_requests`` and ``time_limit_s`` (wall clock). Rewards are compared with the heuristic
     reference only in fault-free rounds, and only when ``check_rewards``. With ``settle_s > 0``
     the driver then waits that long (set it past the server's collection + evaluation deadlines)
-    and checks through ``GET /status`` that no cohort or waiter was left behind.
+    and checks through ``GET /status`` that no cohort or waiter was left behind. ``token``: the
+    server's bearer token (``auth_token_env``), sent with every request to it.
 
     Blocks until done; cancellation stops it (open requests are abandoned with their client).
     Raises ``httpx2.HTTPError`` only if the server cannot be reached at all at the start.
@@ -881,7 +884,7 @@ async def run_http_torture(
     run_id = uuid.UUID(int=rng.getrandbits(128)).hex[:12]
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(None), limits=limits,
-                                  trust_env=False) as client:
+                                  trust_env=False, headers=bearer_headers(token)) as client:
         server_cfg: dict[str, Any] = {}
         try:
             status = await client.get("/status")
@@ -1124,7 +1127,12 @@ def fuzz_case(rng: random.Random, schemas: dict[str, Any], n: int
     return "/compare", msgspec.json.encode(body), (400,), f"$.{name}"
 
 
-async def run_http_fuzz(url: str, *, bodies: int = 200, seed: int = 0) -> FuzzSummary:
+def bearer_headers(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+async def run_http_fuzz(url: str, *, bodies: int = 200, seed: int = 0,
+                        token: str | None = None) -> FuzzSummary:
     """Send ``bodies`` malformed ``/verify`` and ``/compare`` requests, one at a time.
 
     Checks: never a 5xx; the expected 400/422 with a JSON ``detail`` that names the field and a
@@ -1140,7 +1148,7 @@ async def run_http_fuzz(url: str, *, bodies: int = 200, seed: int = 0) -> FuzzSu
     rng = random.Random(seed)
     summary = FuzzSummary()
     async with httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(30.0),
-                                  trust_env=False) as client:
+                                  trust_env=False, headers=bearer_headers(token)) as client:
         schemas = build_openapi()["components"]["schemas"]
         served = await client.get("/openapi.json")
         if served.status_code == 200:
@@ -1243,10 +1251,13 @@ def print_local_summary(summary: LocalSummary, seed: int) -> None:
                    "(expects a quiet server: its /status must not change).")
 @click.option("--no-reward-check", is_flag=True,
               help="--url: do not compare rewards with the heuristic judge's reference.")
+@click.option("--server-token-env", default=None, metavar="ENV",
+              help="--url: environment variable holding the server's bearer token (default: "
+                   "GENRM_AUTH_TOKEN, sent only when set).")
 def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str | None,
                 judge_url: str | None, num_rollouts: int | None, max_requests: int,
                 time_limit_s: float, hang_after_s: float, settle_s: float, fuzz_bodies: int,
-                no_reward_check: bool) -> None:
+                no_reward_check: bool, server_token_env: str | None) -> None:
     """Torture the cohort lifecycle: random schedules of arrivals, duplicates, conflicts,
     disconnects, attempts, deadlines, judge faults and shutdown, checked against the contract.
 
@@ -1267,9 +1278,14 @@ def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str |
         print_local_summary(summary, seed)
         sys.exit(1 if summary.shrunk is not None else 0)
     assert url is not None
+    token = os.environ.get(server_token_env or "GENRM_AUTH_TOKEN", "").strip() or None
+    if server_token_env is not None and token is None:
+        raise click.UsageError(f"--server-token-env: environment variable {server_token_env!r} "
+                               "is not set")
     violations = 0
     if fuzz_bodies:
-        fuzzed = trio.run(functools.partial(run_http_fuzz, url, bodies=fuzz_bodies, seed=seed))
+        fuzzed = trio.run(functools.partial(run_http_fuzz, url, bodies=fuzz_bodies, seed=seed,
+                                            token=token))
         codes = ", ".join(f"{k}: {v}" for k, v in sorted(fuzzed.statuses.items()))
         click.echo(f"fuzz {url}: {fuzzed.bodies} malformed bodies, "
                    f"{len(fuzzed.violations)} violations (statuses {codes})")
@@ -1279,7 +1295,7 @@ def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str |
     result = trio.run(functools.partial(
         run_http_torture, url, judge_url=judge_url, num_rollouts=num_rollouts,
         max_requests=max_requests, time_limit_s=time_limit_s, hang_after_s=hang_after_s,
-        seed=seed, check_rewards=not no_reward_check, settle_s=settle_s))
+        seed=seed, check_rewards=not no_reward_check, settle_s=settle_s, token=token))
     statuses = ", ".join(f"{k}: {v}" for k, v in sorted(result.statuses.items()))
     click.echo(f"torture --url {url}: {result.rounds} rounds, {result.requests} requests, "
                f"{result.disconnects} disconnects, {result.hung} hung, "

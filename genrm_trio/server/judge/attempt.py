@@ -7,6 +7,8 @@ budget) or :class:`AttemptFatal` (the comparison ends at once).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
 from genrm_trio.errors import FatalJudgeError, TransientJudgeError
@@ -40,6 +42,13 @@ class AttemptFatal(FatalJudgeError):
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason
         super().__init__(message)
+
+
+class JudgeCallObserver(Protocol):
+    """Told of every finished attempt (server/prometheus.py's ServerMetrics is one).
+    ``endpoint``: the endpoint's display URL (no user info), or ``plugin`` / ``builtin``."""
+
+    def judge_call(self, endpoint: str, ok: bool, seconds: float) -> None: ...
 
 
 def timeout_fatal(timeout_s: float) -> AttemptFatal:

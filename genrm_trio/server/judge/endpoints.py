@@ -47,6 +47,7 @@ class Endpoint:
         "display",
         "in_flight",
         "picks",
+        "failures",
         "consecutive_failures",
         "cooling_until",
         "cooldown_started",
@@ -59,6 +60,7 @@ class Endpoint:
         self.display = display_url(url)
         self.in_flight = 0
         self.picks = 0
+        self.failures = 0
         self.consecutive_failures = 0
         self.cooling_until = -math.inf
         self.cooldown_started = -math.inf
@@ -88,6 +90,7 @@ class Endpoints:
         if not failed:
             endpoint.consecutive_failures = 0
             return
+        endpoint.failures += 1
         endpoint.consecutive_failures += 1
         threshold = self._cfg.judge.endpoint_failure_threshold
         if threshold > 0 and endpoint.consecutive_failures >= threshold:

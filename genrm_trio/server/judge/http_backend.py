@@ -16,6 +16,7 @@ from genrm_trio.server.judge.answers import chat_answer, error_snippet, response
 from genrm_trio.server.judge.attempt import (
     AttemptFailed,
     AttemptFatal,
+    JudgeCallObserver,
     JudgeRequest,
     timeout_fatal,
 )
@@ -38,8 +39,10 @@ class HttpBackend:
         api_key: str | None,
         transport: HttpxBaseTransport | None,
         prompt: judge_prompt.PlainPrompt | None = None,
+        observer: JudgeCallObserver | None = None,
     ) -> None:
         self._cfg = cfg
+        self._observer = observer
         self._api = cfg.judge.api
         urls = [endpoint_url(u, self._api) for u in cfg.judge.base_urls]
         if api_key:
@@ -72,6 +75,8 @@ class HttpBackend:
         endpoint.in_flight += 1
         # None: the attempt was cancelled from outside, which says nothing about the endpoint.
         endpoint_failed: bool | None = None
+        started = trio.current_time()
+        ok = False
         try:
             timeout_s = self._cfg.judge_request_timeout_s
             try:
@@ -87,11 +92,16 @@ class HttpBackend:
                 endpoint_failed = True
                 raise timeout_fatal(timeout_s)
             endpoint_failed = answer.status >= 500
-            return self._classify(endpoint, answer)
+            text = self._classify(endpoint, answer)
+            ok = True
+            return text
         finally:
             endpoint.in_flight -= 1
             if endpoint_failed is not None:
                 self._endpoints.record(endpoint, endpoint_failed)
+                if self._observer is not None:
+                    self._observer.judge_call(endpoint.display, ok,
+                                              trio.current_time() - started)
 
     def _classify(self, endpoint: Endpoint, response: Answer) -> str:
         code = response.status
@@ -120,6 +130,7 @@ class HttpBackend:
                 {
                     "url": e.display,
                     "in_flight": e.in_flight,
+                    "failures": e.failures,
                     "consecutive_failures": e.consecutive_failures,
                     "cooling_down": e.cooling(now),
                     "clients": self._transport.clients(e),

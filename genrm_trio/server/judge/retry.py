@@ -27,6 +27,7 @@ from genrm_trio.server.judge.attempt import (
     MAX_ERROR_CHARS,
     AttemptFailed,
     AttemptFatal,
+    JudgeCallObserver,
     JudgeRequest,
 )
 from genrm_trio.server.judge.backends import Backend, BuiltinBackend, PluginBackend, load_plugin
@@ -76,8 +77,11 @@ class Judge:
     Safe to share between any number of trio tasks of the run that opened it.
     """
 
-    def __init__(self, cfg: Config, backend: Backend, api_key: str | None, rng: random.Random):
+    def __init__(self, cfg: Config, backend: Backend, api_key: str | None, rng: random.Random,
+                 observer: JudgeCallObserver | None = None):
         self._cfg = cfg
+        # The HTTP backend reports its own attempts (it knows the endpoint); others here.
+        self._observer = observer if backend.kind != "http" else None
         self._backend = backend
         self._api_key = api_key
         self._rng = rng
@@ -186,10 +190,16 @@ class Judge:
         async with self._limiter:
             self.stats.calls += 1
             started = trio.current_time()
+            ok = False
             try:
-                return await self._backend.call(request, attempt)
+                text = await self._backend.call(request, attempt)
+                ok = True
+                return text
             finally:
-                self.stats.latency_seconds_sum += trio.current_time() - started
+                elapsed = trio.current_time() - started
+                self.stats.latency_seconds_sum += elapsed
+                if self._observer is not None:
+                    self._observer.judge_call(self._backend.kind, ok, elapsed)
 
     def _check_hint(self, retry_after_s: float, last_error: str) -> None:
         """Fail the comparison now if the judge's Retry-After outlasts the enclosing deadline
@@ -257,6 +267,7 @@ async def open_judge(
     *,
     transport: HttpxBaseTransport | None = None,
     rng: random.Random | None = None,
+    observer: JudgeCallObserver | None = None,
 ) -> AsyncIterator[Judge]:
     """Open the configured judge for the lifetime of the block.
 
@@ -264,6 +275,7 @@ async def open_judge(
     here); else ``judge.base_urls`` non-empty -> HTTP; else the built-in heuristic judge (a
     warning is logged: rewards are synthetic). The api key is read from the environment once,
     here. ``transport`` (tests: an ``httpx2`` transport) replaces the network for every client.
+    ``observer`` is told of every finished attempt (endpoint, ok, seconds).
 
     Raises :class:`~genrm_trio.errors.ConfigError` for a plugin that cannot be loaded or a
     missing api key variable. On exit the HTTP clients are closed under a shielded scope
@@ -286,7 +298,7 @@ async def open_judge(
             if cfg.judge.prompt == "plain":
                 prompt = (read_prompt_template(cfg.judge.prompt_template_file)
                           if cfg.judge.prompt_template_file else judge_prompt.DEFAULT_PROMPT)
-            http = HttpBackend(cfg, api_key, transport, prompt)
+            http = HttpBackend(cfg, api_key, transport, prompt, observer)
             stack.push_async_callback(_close_shielded, http)
             backend = http
             log.info(
@@ -300,7 +312,7 @@ async def open_judge(
                 "judge: no judge configured, using the built-in heuristic judge: "
                 "rewards are synthetic"
             )
-        yield Judge(cfg, backend, api_key, chosen_rng)
+        yield Judge(cfg, backend, api_key, chosen_rng, observer)
 
 
 async def _close_shielded(http: HttpBackend) -> None:
