@@ -3,6 +3,7 @@ that move as cohorts are driven through a real server and the mock judge on loop
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -167,8 +168,9 @@ async def test_judge_failures_and_cooling_show_per_endpoint() -> None:
 
 def test_counters_past_a_million_keep_full_precision() -> None:
     class Registry:
-        counters = {"cohorts_opened": 1_234_567, "cohorts_completed": 0}
+        counters = Counter({"cohorts_opened": 1_234_567})
         shutting_down = False
+        journal = None
 
         def snapshot(self) -> dict[str, int]:
             return {k: 0 for k in ("collecting", "evaluating", "waiters", "retained_records",
