@@ -37,13 +37,14 @@ def value(families: Families, family: str, sample: str | None = None, **labels: 
 
 
 @asynccontextmanager
-async def server_with_judge(n: int) -> AsyncIterator[tuple[httpx2.AsyncClient, str]]:
+async def server_with_judge(n: int, *extra: str
+                            ) -> AsyncIterator[tuple[httpx2.AsyncClient, str]]:
     async with trio.open_nursery() as nursery:
         judge_url = await nursery.start(
             partial(run_mock_judge, MockJudgeSettings(), state=MockJudgeState()))
         cfg = load_config(None, [
             f"num_rollouts_per_prompt={n}", "cohort_collection_timeout_s=0.5",
-            "genrm_parse_retries=0", f'judge.base_urls=["{judge_url}"]', "port=0",
+            "genrm_parse_retries=0", f'judge.base_urls=["{judge_url}"]', "port=0", *extra,
         ], {})
         url = await nursery.start(run_server, cfg)
         async with httpx2.AsyncClient(base_url=url) as client:
@@ -146,7 +147,8 @@ async def test_metrics_parse_and_move_as_cohorts_are_driven() -> None:
 
 async def test_judge_failures_and_cooling_show_per_endpoint() -> None:
     n = 2
-    async with server_with_judge(n) as (client, judge_url):
+    async with server_with_judge(n, "judge.endpoint_failure_threshold=1",
+                                 "judge.endpoint_cooldown_s=600") as (client, judge_url):
         async with httpx2.AsyncClient() as admin:
             await admin.post(judge_url + "/admin/fault", json={"fault": "503", "count": None})
         statuses = await post_group(client, "fail-1", range(n))
@@ -155,6 +157,8 @@ async def test_judge_failures_and_cooling_show_per_endpoint() -> None:
     endpoint = judge_url + "/v1/responses"
     assert value(after, "genrm_judge_endpoint_failures", "genrm_judge_endpoint_failures_total",
                  endpoint=endpoint) >= 1
+    assert value(after, "genrm_judge_endpoint_cooling", endpoint=endpoint) == 1.0
+    assert value(after, "genrm_judge_endpoint_consecutive_failures", endpoint=endpoint) >= 1
     assert value(after, "genrm_judge_attempt_failures", "genrm_judge_attempt_failures_total",
                  reason="http_503") >= 1
     assert value(after, "genrm_judge_call_duration_seconds",
@@ -199,3 +203,15 @@ def test_each_server_has_its_own_registry() -> None:
                  "genrm_verify_duration_seconds_count", outcome="rewarded") == 1
     assert value(parse(b.render()[0].decode()), "genrm_verify_duration_seconds",
                  "genrm_verify_duration_seconds_count", outcome="rewarded") == 0
+
+
+async def test_builtin_judge_calls_are_observed() -> None:
+    cfg = load_config(None, ["num_rollouts_per_prompt=2", "port=0"], {})
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(run_server, cfg)
+        async with httpx2.AsyncClient(base_url=url) as client:
+            assert await post_group(client, "b-1", range(2)) == [200, 200]
+            after = await scrape(client)
+        nursery.cancel_scope.cancel()
+    assert value(after, "genrm_judge_call_duration_seconds",
+                 "genrm_judge_call_duration_seconds_count", endpoint="builtin", result="ok") == 2

@@ -70,6 +70,10 @@ class ServerMetrics:
             registry=self.registry)
         self._snapshot = _SnapshotCollector()
         self.registry.register(self._snapshot)
+        # Labelled children, looked up once: ``labels()`` takes a lock and builds a tuple, half
+        # the cost of an observation on the /verify hot path. Keys are the bounded label sets.
+        self._verify_children: dict[str, Any] = {}
+        self._judge_children: dict[tuple[str, bool], Any] = {}
 
     def read_from(self, registry: CohortRegistry, judge: Judge) -> None:
         """Read ``registry`` and ``judge`` at every scrape from now on (they outlive this)."""
@@ -79,7 +83,10 @@ class ServerMetrics:
     # ---------------------------------------------------------------- hooks
 
     def observe_verify(self, outcome: str, seconds: float) -> None:
-        self._verify.labels(outcome).observe(seconds)
+        child = self._verify_children.get(outcome)
+        if child is None:
+            child = self._verify_children[outcome] = self._verify.labels(outcome)
+        child.observe(seconds)
 
     def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None) -> None:
         """A cohort reached its disposition ``kind`` (``completed`` or a failure kind).
@@ -90,7 +97,11 @@ class ServerMetrics:
             self._evaluation.labels(kind).observe(evaluation_s)
 
     def judge_call(self, endpoint: str, ok: bool, seconds: float) -> None:
-        self._judge_call.labels(endpoint, "ok" if ok else "error").observe(seconds)
+        child = self._judge_children.get((endpoint, ok))
+        if child is None:
+            child = self._judge_children[(endpoint, ok)] = self._judge_call.labels(
+                endpoint, "ok" if ok else "error")
+        child.observe(seconds)
 
     def unauthorized(self) -> None:
         self._unauthorized.inc()
