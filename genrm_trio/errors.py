@@ -7,6 +7,7 @@
     +-- WireError                   wire.py: a request body that cannot be accepted
     |   +-- BadRequest              400 bad_request: not JSON, not an object, wrong type ($.path)
     |   +-- TooLarge                413 too_large: body over max_request_bytes
+    |   +-- UnsupportedMediaType    415 bad_request: a Content-Type that is not JSON
     |   +-- BadCoordinates          422 bad_coordinates: rollout index / attempt out of range
     +-- JudgeError                  server/judge/: one comparison could not be judged
     |   +-- TransientJudgeError     retryable: connection error, cut body, 408/429/5xx, bad answer
@@ -54,6 +55,11 @@ class BadRequest(WireError):
 class TooLarge(WireError):
     status = 413
     failure_kind = "too_large"
+
+
+class UnsupportedMediaType(WireError):
+    status = 415
+    failure_kind = "bad_request"
 
 
 class BadCoordinates(WireError):

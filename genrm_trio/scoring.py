@@ -53,6 +53,10 @@ RANKING_MIDPOINT = 3.5
 #: outside its scale is not a verdict the judge gave on this scale: the answer is unparseable.
 SCORE_RANGE = (1.0, 5.0)
 RANKING_RANGE = (1.0, 6.0)
+#: Largest magnitude :func:`aggregate` accepts for any verdict value (configured defaults may lie
+#: outside the judge's scale, e.g. ``default_score: 0``); beyond it the cohort fails instead of
+#: summing towards overflow.
+MAX_VERDICT_MAGNITUDE = 1e6
 
 #: What a response with no final answer text is shown to the judge as.
 EMPTY_ANSWER = "None"
@@ -492,7 +496,8 @@ def aggregate(
     statistics of the raw judge scores) and ``tiebreak_usage_rate`` (share of comparisons with
     equal scores); metrics is empty when there are no comparisons.
 
-    Never blocks. Raises :class:`GenRMError` if a comparison names a response out of range, the
+    Never blocks. Raises :class:`GenRMError` if a comparison names a response out of range or
+    holds a value beyond :data:`MAX_VERDICT_MAGNITUDE`, the
     aggregator is unknown, or any reward comes out non-finite.
     """
     if cfg.aggregator_method != "simple_tiebreaker":
@@ -509,6 +514,15 @@ def aggregate(
                 f"comparison ({comp.response_i}, {comp.response_j}) is outside a cohort of {n}"
             )
         score_1, score_2 = comp.score_1, comp.score_2
+        for name, value in (("score_1", score_1), ("score_2", score_2),
+                            ("ranking", comp.ranking)):
+            # Parsed verdicts are always in scale; this guards verdicts from elsewhere (a
+            # plugin, a configured default) so that no sum or deviation below can overflow.
+            if not abs(value) <= MAX_VERDICT_MAGNITUDE:
+                raise GenRMError(
+                    f"comparison ({comp.response_i}, {comp.response_j}): {name} {value!r} is "
+                    f"beyond +-{MAX_VERDICT_MAGNITUDE:g}"
+                )
         raw_scores.append(score_1)
         raw_scores.append(score_2)
         if score_1 == score_2:

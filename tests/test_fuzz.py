@@ -11,6 +11,7 @@ examples against it; the registry holds one completed and one collecting cohort 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import threading
 import warnings
@@ -22,13 +23,15 @@ import httpx2
 import msgspec
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from genrm_trio.config import Config
+from genrm_trio.errors import WireError
 from genrm_trio.server.openapi import build_openapi
 from genrm_trio.server.serve import run_server
 from genrm_trio.tools.torture import response_object, run_http_fuzz
+from genrm_trio.wire import decode_verify
 
 # On a failure hypothesis writes a patch with libcst, whose import warns (DeprecationWarning);
 # with filterwarnings=error that would hide the falsifying example. Import it quietly first.
@@ -342,3 +345,66 @@ async def test_the_torture_tool_fuzzes_a_live_server_without_findings() -> None:
     assert summary.violations == []
     assert summary.bodies == 150
     assert set(summary.statuses) == {400, 422}
+
+
+# Arbitrary JSON, unbounded: big integers, deep nesting, any text (lone surrogates as escapes).
+any_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=30),
+)
+any_json = st.recursive(
+    any_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=5),
+                            st.dictionaries(st.text(max_size=10), inner, max_size=5)),
+    max_leaves=40,
+)
+POST_ENDPOINTS = ("/verify", "/compare", "/aggregate_metrics", "/seed_session",
+                  "/close_session")
+identity_keys = st.sampled_from(["responses_create_params", "response", "_ng_group_id",
+                                 "_ng_group_attempt", "_ng_rollout_index", "_ng_task_index",
+                                 "prompt_id", "principle", "instance_config", "group_id",
+                                 "conversation_history", "response_objs", "verify_responses"])
+
+
+def _is_valid_member(raw: bytes) -> bool:
+    try:
+        decode_verify(raw, N)
+    except WireError:
+        return False
+    return True
+
+
+def deep(value: Any, depth: int) -> Any:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@FUZZ
+@given(path=st.sampled_from(POST_ENDPOINTS), data=st.data())
+def test_arbitrary_json_to_every_post_endpoint_is_never_5xx(
+    live: Live, path: str, data: st.DataObject,
+) -> None:
+    shape = data.draw(st.sampled_from(["any", "object", "valid_base", "deep"]))
+    value: Any
+    if shape == "any":
+        value = data.draw(any_json)
+    elif shape == "object":
+        value = data.draw(st.dictionaries(identity_keys, any_json, max_size=6))
+    elif shape == "valid_base":  # a valid /verify body with some keys replaced
+        value = {**valid_verify("fuzz-any"),
+                 **data.draw(st.dictionaries(identity_keys, any_json, max_size=3))}
+    else:
+        value = {data.draw(identity_keys): deep(data.draw(any_json),
+                                                data.draw(st.integers(50, 3000)))}
+    raw = json.dumps(value).encode()
+    if path == "/verify" and _is_valid_member(raw):
+        assume(False)  # a complete, valid member would wait for its cohort: not this test
+    before = live.status()
+    answer = live.client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert answer.status_code < 500, (path, answer.status_code, answer.text[:300])
+    if answer.status_code >= 400:
+        detail = answer.json()["detail"]
+        assert isinstance(detail, str) and detail
+    if path == "/verify" and answer.status_code != 200:
+        assert_no_state_change(live, before)

@@ -29,7 +29,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from genrm_trio import metrics as metrics_mod
 from genrm_trio import scoring, wire
 from genrm_trio.config import Config, config_summary
-from genrm_trio.errors import JudgeFailed, TooLarge, WireError
+from genrm_trio.errors import JudgeFailed, TooLarge, UnsupportedMediaType, WireError
 from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import CohortRegistry, Outcome, Rewarded
@@ -55,11 +55,34 @@ def error_response(status: int, detail: str, failure_kind: str | None,
     return json_response(wire.error_body(detail, failure_kind), status, headers)
 
 
+def content_type_problem(value: str | None) -> str | None:
+    """Why a request's ``Content-Type`` is refused (415), or None. Absent is accepted (bodies
+    are JSON by contract); present, it must be JSON (``application/json`` or ``*/*+json``,
+    parameters allowed, charset utf-8 when given)."""
+    if value is None or not value.strip():
+        return None
+    media, _, params = value.partition(";")
+    media = media.strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        return f"Content-Type must be application/json, got {wire.bound_text(value, 100)!r}"
+    for param in params.split(";"):
+        name, _, arg = param.partition("=")
+        if name.strip().lower() == "charset" and arg.strip().strip('"').lower() not in (
+                "utf-8", "utf8"):
+            return f"Content-Type charset must be utf-8, got {wire.bound_text(arg, 40)!r}"
+    return None
+
+
 async def _read_body() -> bytes:
-    """The whole body, or :class:`TooLarge` past ``max_request_bytes``."""
+    """The whole body, or :class:`TooLarge` past ``max_request_bytes``; a body whose
+    Content-Type is not JSON is refused (:class:`UnsupportedMediaType`) once read."""
+    problem = content_type_problem(request.headers.get("content-type"))
     try:
         data = await request.get_data(cache=False, as_text=False)
         assert isinstance(data, bytes)
+        if problem is not None:
+            raise UnsupportedMediaType(problem)
         return data
     except RequestEntityTooLarge as exc:
         raise TooLarge(
@@ -211,6 +234,12 @@ class VerifyEndpoint:
         raw = await self._read_body(scope, receive, send)
         if isinstance(raw, str):
             return raw
+        content_type = next(
+            (v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), None)
+        problem = content_type_problem(content_type)
+        if problem is not None:
+            await _send_json(send, 415, wire.error_body(problem, "bad_request"))
+            return "bad_request"
         try:
             member = wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt)
         except WireError as exc:

@@ -154,7 +154,10 @@ class Journal:
         try:
             os.makedirs(state_dir, exist_ok=True)
             path = os.path.join(state_dir, FILE_NAME)
-            connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            # timeout=0: a locked database fails the write at once (degraded) instead of
+            # stalling the event loop in SQLite's busy wait.
+            connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                         timeout=0)
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
             connection.executescript(SCHEMA)
