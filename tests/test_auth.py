@@ -137,3 +137,14 @@ def test_serve_exits_2_naming_the_key_when_the_variable_is_missing() -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "auth_token_env" in lines[0] and ENV in lines[0], result.stderr
+
+
+async def test_the_torture_fuzzer_sends_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    from genrm_trio.tools.torture import run_http_fuzz
+
+    monkeypatch.setenv(ENV, TOKEN)
+    async with running_server(auth_cfg()) as url:
+        with_token = await run_http_fuzz(url, bodies=20, seed=3, token=TOKEN)
+        without = await run_http_fuzz(url, bodies=20, seed=3)
+    assert with_token.violations == [] and set(with_token.statuses) <= {400, 422}
+    assert set(without.statuses) == {401} and without.violations
