@@ -73,6 +73,8 @@ class ServerMetrics:
         # Labelled children, looked up once: ``labels()`` takes a lock and builds a tuple, half
         # the cost of an observation on the /verify hot path. Keys are the bounded label sets.
         self._verify_children: dict[str, Any] = {}
+        self._collection_children: dict[str, Any] = {}
+        self._evaluation_children: dict[str, Any] = {}
         self._judge_children: dict[tuple[str, bool], Any] = {}
 
     def read_from(self, registry: CohortRegistry, judge: Judge) -> None:
@@ -83,18 +85,15 @@ class ServerMetrics:
     # ---------------------------------------------------------------- hooks
 
     def observe_verify(self, outcome: str, seconds: float) -> None:
-        child = self._verify_children.get(outcome)
-        if child is None:
-            child = self._verify_children[outcome] = self._verify.labels(outcome)
-        child.observe(seconds)
+        _child(self._verify, self._verify_children, outcome).observe(seconds)
 
     def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None) -> None:
         """A cohort reached its disposition ``kind`` (``completed`` or a failure kind).
         ``evaluation_s`` is None when it never left collecting."""
-        self._collection.labels("complete" if evaluation_s is not None else kind).observe(
-            collection_s)
+        outcome = "complete" if evaluation_s is not None else kind
+        _child(self._collection, self._collection_children, outcome).observe(collection_s)
         if evaluation_s is not None:
-            self._evaluation.labels(kind).observe(evaluation_s)
+            _child(self._evaluation, self._evaluation_children, kind).observe(evaluation_s)
 
     def judge_call(self, endpoint: str, ok: bool, seconds: float) -> None:
         child = self._judge_children.get((endpoint, ok))
@@ -111,6 +110,13 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _child(histogram: Histogram, children: dict[str, Any], label: str) -> Any:
+    child = children.get(label)
+    if child is None:
+        child = children[label] = histogram.labels(label)
+    return child
 
 
 class _SnapshotCollector(Collector):
