@@ -20,8 +20,10 @@ _REF = "#/components/schemas/{name}"
 #: Failure kinds of contract 3.4, by status, for the error responses of ``/verify``.
 VERIFY_ERRORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "400": ("bad_request",),
-    "409": ("conflict", "prompt_mismatch", "stale_attempt"),
+    "408": ("request_timeout",),
+    "409": ("conflict", "prompt_mismatch", "stale_attempt", "result_expired"),
     "413": ("too_large",),
+    "415": ("bad_request",),
     "422": ("bad_coordinates",),
     "429": ("overloaded",),
     "503": (
@@ -61,16 +63,34 @@ def _verify_request_schema() -> dict[str, Any]:
                 "required": ["input"],
                 "properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array"}]}},
             },
-            "_ng_group_attempt": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
-            "_ng_rollout_index": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+            "_ng_group_attempt": {"anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": wire.INT64_MAX}, {"type": "null"}]},
+            "_ng_rollout_index": {"anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": wire.INT64_MAX}, {"type": "null"}]},
         },
+    }
+
+
+def bounds() -> dict[str, Any]:
+    """The bounds every request body is held to (also in the README), for ``/openapi.json``'s
+    ``x-bounds``: the ones JSON Schema cannot express on one field."""
+    return {
+        "max_json_depth": wire.MAX_JSON_DEPTH,
+        "integer_range": [wire.INT64_MIN, wire.INT64_MAX],
+        "max_identity_chars": wire.MAX_IDENTITY_CHARS,
+        "max_request_bytes": "config max_request_bytes (default 16 MiB): 413",
+        "max_compare_responses": "config max_compare_responses (default 128): 400",
+        "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
+        "duplicated_keys": "an interpreted top-level /verify key given twice: 400",
+        "content_type": "absent or application/json (charset utf-8): else 415",
     }
 
 
 def build_openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the HTTP API, as a JSON-ready dict. Never blocks or raises."""
     _refs, components = msgspec.json.schema_components(
-        [wire.VerifyFields, wire.CompareRequest, wire.AggregateMetricsRequest, wire.ErrorBody],
+        [wire.VerifyFields, wire.CompareRequest, wire.AggregateMetricsRequest, wire.AggregateRow,
+         wire.ErrorBody],
         ref_template=_REF,
     )
     components = dict(components)
@@ -137,8 +157,11 @@ def build_openapi() -> dict[str, Any]:
                         "content": {"application/json": {
                             "schema": {"$ref": _REF.format(name="CompareAnswer")}}},
                     },
-                    "400": _error("bad_request", ("bad_request",)),
+                    "400": _error("bad_request (also more than max_compare_responses)",
+                                  ("bad_request",)),
+                    "408": _error("request_timeout", ("request_timeout",)),
                     "413": _error("too_large", ("too_large",)),
+                    "415": _error("bad_request: Content-Type is not JSON", ("bad_request",)),
                     "503": _error("judge_failed or evaluation_error",
                                   ("judge_failed", "evaluation_error")),
                 },
@@ -169,8 +192,11 @@ def build_openapi() -> dict[str, Any]:
         "info": {
             "title": "genrm-trio",
             "version": _version(),
-            "description": "GenRM cohort judging, wire-compatible with NeMo Gym genrm_compare.",
+            "description": "GenRM cohort judging, wire-compatible with NeMo Gym genrm_compare. "
+            "Every body is bounded: see x-bounds (nesting depth, integers within int64, "
+            "identity string lengths, sizes and counts); a violation is a 4xx naming the field.",
         },
+        "x-bounds": bounds(),
         "paths": paths,
         "components": {"schemas": components},
     }
