@@ -115,6 +115,9 @@ async def _serve_in(
     url = binds[0]
     logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
                 cfg.num_rollouts_per_prompt)
+    if auth is not None:  # the variable's name only, never its value
+        logger.info("inbound auth: a bearer token from $%s is required on every endpoint but "
+                    "/health, /healthz and /readyz", cfg.auth_token_env)
     task_status.started(url)
 
 
