@@ -84,7 +84,13 @@ class FatalJudgeError(JudgeError):
 
 
 class JudgeFailed(JudgeError):
-    """A comparison failed for good; the cohort is masked with this text."""
+    """A comparison failed for good; the cohort is masked with this text. ``input_tokens`` and
+    ``output_tokens``: what the judge reported spending on it before it failed."""
+
+    def __init__(self, message: str, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        super().__init__(message)
 
 
 class JudgeParseError(GenRMError):

@@ -65,11 +65,19 @@ _SCORE_KEYS = ("score_1", "score_2", "ranking")
 
 
 class Verdict(msgspec.Struct, frozen=True):
-    """One parsed judge answer: the two scores and the ranking, all finite."""
+    """One comparison's verdict: the two scores and the ranking, all finite.
+
+    ``defaulted``: the default verdict stood in because no answer parsed. ``input_tokens`` and
+    ``output_tokens``: what the judge reported spending on the comparison, over all its
+    attempts (0 when it reports nothing).
+    """
 
     score_1: float
     score_2: float
     ranking: float
+    defaulted: bool = False
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class Comparison(msgspec.Struct, frozen=True):

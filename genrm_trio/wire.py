@@ -31,6 +31,11 @@ LEGACY_GUIDANCE = (
 
 MAX_FAILURE_TEXT = 2000
 
+#: The [ext] key of a rewarded ``/verify`` answer counting the cohort's comparisons that used the
+#: default verdict (no judge answer parsed). ``genrm_``-prefixed so it cannot collide with other
+#: servers' keys in a NeMo Gym row; a plain number, so reward-profile metrics average it.
+DEFAULTED_COMPARISONS_KEY = "genrm_defaulted_comparisons"
+
 # ---------------------------------------------------------------------------------------------
 # Bounds (README "Bounds"; /openapi.json). Every body is checked before anything is interpreted.
 
@@ -333,9 +338,11 @@ def identity_fields(member: VerifyMember) -> dict[str, Any]:
     }
 
 
-def success_body(member: VerifyMember, reward: float) -> dict[str, Any]:
+def success_body(member: VerifyMember, reward: float,
+                 defaulted_comparisons: int | None = 0) -> dict[str, Any]:
     """The 200 answer for a rewarded member: its body (identity keys only under ``_ng_`` names)
-    plus the reward and the unmasked markers."""
+    plus the reward, the unmasked markers and :data:`DEFAULTED_COMPARISONS_KEY` (None when
+    unknown: a record reloaded from the journal)."""
     if not math.isfinite(reward):  # guarded by the registry; never publish a non-finite reward
         raise ValueError("non-finite reward")
     out = {k: v for k, v in member.body.items() if k not in IDENTITY_ALIASES}
@@ -344,6 +351,7 @@ def success_body(member: VerifyMember, reward: float) -> dict[str, Any]:
     out["mask_sample"] = False
     out["failure_kind"] = None
     out["failure_reason"] = None
+    out[DEFAULTED_COMPARISONS_KEY] = defaulted_comparisons
     return out
 
 

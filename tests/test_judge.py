@@ -36,10 +36,11 @@ from genrm_trio.server.judge import (
     parse_retry_after,
     responses_body,
 )
+from genrm_trio.server.judge.answers import usage_of
 
 VERDICT_TEXT = 'thinking...\n```json\n{"score_1": 4, "score_2": 2, "ranking": 2}\n```'
 VERDICT = scoring.Verdict(4.0, 2.0, 2.0)
-DEFAULT_VERDICT = scoring.Verdict(3.0, 3.0, 3.5)
+DEFAULT_VERDICT = scoring.Verdict(3.0, 3.0, 3.5, defaulted=True)
 URL_A = "http://judge-a.test"
 URL_B = "http://judge-b.test"
 HISTORY = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "2+2?"}]
@@ -575,6 +576,10 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
         "consecutive_failures": 0,
         "cooling_down": False,
         "clients": 1,
+        "waiting": 0,
+        "max_concurrency": None,
+        "input_tokens": 0,
+        "output_tokens": 0,
     }
     assert status["limiter"] == {"in_use": 0, "total": 1024}
 
@@ -971,10 +976,154 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                     "consecutive_failures": 0,
                     "cooling_down": False,
                     "clients": 0,
+                    "waiting": 0,
+                    "max_concurrency": None,
+                    "input_tokens": 0,
+                    "output_tokens": 0,
                 }
                 for u in (URL_A, URL_B)
             ],
         }
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-endpoint concurrency
+
+
+class OneAtATime:
+    """A judge endpoint that serves one call at a time (the rest queue inside it), each taking
+    ``service_s``."""
+
+    def __init__(self, service_s: float) -> None:
+        self.service_s = service_s
+        self.lock = trio.Lock()
+        self.started: list[float] = []
+
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        async with self.lock:
+            self.started.append(trio.current_time())
+            await trio.sleep(self.service_s)
+        return chat_ok() if request.url.path.endswith("completions") else responses_ok()
+
+
+async def judge_three(cfg: Config, handler: OneAtATime) -> list[Any]:
+    results: list[Any] = []
+
+    async def one() -> None:
+        try:
+            results.append(await judge.judge_pair(REQUEST))
+        except JudgeFailed as exc:
+            results.append(exc)
+
+    async with open_judge(cfg, transport=transport(handler), rng=MaxRng()) as judge:
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+            await trio.sleep(0.1)
+            snapshot = judge.status()["endpoints"][0]
+        results.append(snapshot)
+    return results
+
+
+async def test_calls_queue_on_our_side_when_the_endpoint_is_full(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    handler = OneAtATime(1.5)
+    cfg = make_cfg({"max_concurrency_per_endpoint": 1}, judge_request_timeout_s=2.0,
+                   genrm_parse_retries=0)
+    *verdicts, snapshot = await judge_three(cfg, handler)
+    assert verdicts == [VERDICT] * 3  # each call's deadline started when it was sent
+    assert handler.started == [0.0, 1.5, 3.0]
+    assert (snapshot["in_flight"], snapshot["waiting"], snapshot["max_concurrency"]) == (1, 2, 1)
+
+
+async def test_without_the_limit_the_judges_own_queue_times_calls_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    handler = OneAtATime(1.5)
+    cfg = make_cfg(judge_request_timeout_s=2.0, genrm_parse_retries=0)
+    *results, snapshot = await judge_three(cfg, handler)
+    assert sum(isinstance(r, JudgeFailed) for r in results) == 2
+    assert (snapshot["in_flight"], snapshot["waiting"], snapshot["max_concurrency"]) == (
+        3, 0, None)
+
+
+async def test_a_retry_prefers_another_endpoint(autojump_clock: trio.testing.MockClock) -> None:
+    seen: list[str] = []
+    release = trio.Event()
+
+    async def handler(request: httpx2.Request) -> httpx2.Response:
+        host = request.url.host
+        seen.append(host)
+        if len(seen) == 1:
+            await release.wait()  # the first call keeps judge-b busy
+            return responses_ok()
+        if host == "judge-a.test" and seen.count(host) == 1:
+            return httpx2.Response(503)
+        return responses_ok()
+
+    cfg = make_cfg({"base_urls": (URL_B, URL_A)})
+    async with open_judge(cfg, transport=transport(handler), rng=MaxRng()) as judge:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(judge.judge_pair, REQUEST)  # occupies judge-b (listed first)
+            await trio.testing.wait_all_tasks_blocked()
+            # Least loaded is judge-a; it answers 503. A least-loaded choice would pick judge-a
+            # again (judge-b is still busy); the retry goes to judge-b instead.
+            assert await judge.judge_pair(REQUEST) == VERDICT
+            release.set()
+    assert seen == ["judge-b.test", "judge-a.test", "judge-b.test"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Token accounting
+
+
+def chat_with_usage(prompt: int, completion: int, finish_reason: str = "stop") -> httpx2.Response:
+    body = chat_ok(finish_reason=finish_reason).json()
+    body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                     "total_tokens": prompt + completion}
+    return httpx2.Response(200, json=body)
+
+
+async def test_usage_is_summed_over_attempts_per_comparison_and_endpoint(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A truncated answer costs its tokens too.
+    script = Script(chat_with_usage(10, 100, "length"), chat_with_usage(11, 5))
+    async with open_judge(make_cfg({"api": "chat"}), transport=transport(script),
+                          rng=MaxRng()) as judge:
+        verdict = await judge.judge_pair(REQUEST)
+        endpoint = judge.status()["endpoints"][0]
+    assert (verdict.input_tokens, verdict.output_tokens) == (21, 105)
+    assert (verdict.score_1, verdict.score_2, verdict.ranking) == (4.0, 2.0, 2.0)
+    assert (judge.stats.input_tokens, judge.stats.output_tokens) == (21, 105)
+    assert (endpoint["input_tokens"], endpoint["output_tokens"]) == (21, 105)
+
+
+async def test_usage_of_a_failed_comparison_travels_with_its_failure(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    body = responses_ok(status="incomplete").json()
+    body["usage"] = {"input_tokens": 7, "output_tokens": 64, "total_tokens": 71}
+    script = Script(httpx2.Response(200, json=body))
+    async with open_judge(make_cfg(), transport=transport(script), rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+    assert (info.value.input_tokens, info.value.output_tokens) == (28, 256)
+    assert (judge.stats.input_tokens, judge.stats.output_tokens) == (28, 256)
+
+
+@pytest.mark.parametrize(("usage", "expected"), [
+    ({"input_tokens": 3, "output_tokens": 4}, (3, 4)),
+    ({"prompt_tokens": 3, "completion_tokens": 4}, (3, 4)),
+    ({"input_tokens": -1, "output_tokens": True}, (0, 0)),
+    ({"input_tokens": 1.5, "output_tokens": "7"}, (0, 0)),
+    ({"input_tokens": 2**60, "output_tokens": None}, (0, 0)),
+    ([], (0, 0)),
+    (None, (0, 0)),
+])
+def test_usage_fields_are_read_defensively(usage: Any, expected: tuple[int, int]) -> None:
+    assert usage_of({"usage": usage}) == expected
 
 
 # ---------------------------------------------------------------------------------------------

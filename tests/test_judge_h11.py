@@ -65,7 +65,9 @@ class ScriptedServer:
                     return
 
 
-async def judge_against(server: ScriptedServer, calls: int) -> None:
+async def judge_against(server: ScriptedServer, calls: int) -> list[int]:
+    """Make ``calls`` calls one after another; returns /status's client count after each."""
+    clients: list[int] = []
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(
             partial(trio.serve_tcp, server.handle, 0, host="127.0.0.1"))
@@ -77,14 +79,17 @@ async def judge_against(server: ScriptedServer, calls: int) -> None:
                 with trio.fail_after(5):
                     verdict = await judge.judge_pair(REQUEST)
                 assert (verdict.score_1, verdict.score_2, verdict.ranking) == (5.0, 1.0, 1.0)
+                clients.append(judge.status()["endpoints"][0]["clients"])
             assert judge.stats.calls == calls  # no attempt was spent on a stale connection
         nursery.cancel_scope.cancel()
+    return clients
 
 
 async def test_keep_alive_connection_is_reused() -> None:
     server = ScriptedServer("keepalive")
-    await judge_against(server, 5)
+    clients = await judge_against(server, 5)
     assert server.requests == 5 and server.connections == 1
+    assert clients == [1] * 5  # /status counts the pool's connection (it used to say 0)
 
 
 async def test_stale_reused_connection_is_retried_on_a_fresh_one() -> None:

@@ -5,6 +5,8 @@ cause, and the next cohort completes."""
 from __future__ import annotations
 
 import functools
+import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -99,3 +101,36 @@ async def test_unparseable_policy_mask_masks_the_cohort_naming_the_policy(
         assert "unparseable_verdict_policy: mask" in out["failure_reason"]
     healthy = await run_cohort(stack.url, "next")
     assert all(out["mask_sample"] is False for out in healthy)
+
+
+async def test_defaulted_comparisons_are_counted_in_every_answer(
+    server_nursery: trio.Nursery, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="genrm_trio.server.cohort")
+    settings = MockJudgeSettings(fault=Fault.GARBAGE, fault_count=2 * 4)  # both comparisons
+    stack = await start_stack(server_nursery, settings)
+    defaulted = await run_cohort(stack.url, "garbage")
+    for out in defaulted:
+        assert out["mask_sample"] is False
+        assert out["reward"] == stack.cfg.default_score
+        assert out["genrm_defaulted_comparisons"] == N  # circular: N comparisons, all defaulted
+    replayed = await run_cohort(stack.url, "garbage")  # retained record, no judge call
+    assert [out["genrm_defaulted_comparisons"] for out in replayed] == [N] * N
+    healthy = await run_cohort(stack.url, "next")
+    assert [out["genrm_defaulted_comparisons"] for out in healthy] == [0] * N
+    lines = [r.getMessage() for r in caplog.records if "completed after" in r.getMessage()]
+    assert len(lines) == 2
+    assert f"{N} of {N} comparisons defaulted" in lines[0]
+    assert "0 of 2 comparisons defaulted" in lines[1]
+    # The mock judge reports usage; the disposition line sums it per cohort.
+    tokens = [re.search(r"judge tokens (\d+) in, (\d+) out", line) for line in lines]
+    assert all(m is not None and int(m[1]) > 0 and int(m[2]) > 0 for m in tokens)
+    async with httpx2.AsyncClient(base_url=stack.url) as client:
+        status = (await client.get("/status")).json()
+        metrics = (await client.get("/metrics")).text
+    endpoint = status["judge"]["endpoints"][0]
+    assert endpoint["input_tokens"] > 0 and endpoint["output_tokens"] > 0
+    assert endpoint["clients"] >= 1
+    assert f'genrm_judge_endpoint_input_tokens_total{{endpoint="{endpoint["url"]}"}} ' \
+           f'{float(endpoint["input_tokens"])}' in metrics
+    assert "genrm_judge_output_tokens_total" in metrics

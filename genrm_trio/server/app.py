@@ -191,7 +191,7 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, Any
         tuple[bytes, bytes]]]:
     """The HTTP answer for one member's outcome: status, JSON-able body, extra headers."""
     if isinstance(outcome, Rewarded):
-        return 200, wire.success_body(member, outcome.reward), []
+        return 200, wire.success_body(member, outcome.reward, outcome.defaulted_comparisons), []
     if outcome.masked:
         return 200, wire.masked_body(member, outcome.detail), []
     headers = []

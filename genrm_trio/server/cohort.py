@@ -85,7 +85,11 @@ class Failure:
 
 @dataclass(frozen=True, slots=True)
 class Rewarded:
+    """A member's reward. ``defaulted_comparisons``: how many of its cohort's comparisons used
+    the default verdict (None: unknown, a record reloaded from the journal)."""
+
     reward: float
+    defaulted_comparisons: int | None = dataclasses.field(default=0, compare=False)
 
 
 Outcome = Rewarded | Failure
@@ -125,7 +129,7 @@ class Cohort:
         "key", "size", "prompt_digest", "history", "principle",
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
-        "pairs_done", "evaluating_at",
+        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
     )
 
     def __init__(
@@ -152,6 +156,9 @@ class Cohort:
         self.results: dict[int, scoring.Verdict] = {}
         self.pairs_done = trio.Event()
         self.evaluating_at: float | None = None
+        self.defaulted = 0  # comparisons that used the default verdict
+        self.input_tokens = 0  # judge tokens of the finished comparisons
+        self.output_tokens = 0
 
     @property
     def legacy(self) -> bool:
@@ -161,16 +168,17 @@ class Cohort:
 class _Record:
     """A terminal record (tombstone): digests and rewards, or the failure. Few objects each."""
 
-    __slots__ = ("expires_at", "digests", "rewards", "failure")
+    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted")
 
     def __init__(
         self, expires_at: float, digests: tuple[str, ...], rewards: tuple[float, ...],
-        failure: Failure | None,
+        failure: Failure | None, defaulted: int | None = None,
     ) -> None:
         self.expires_at = expires_at
         self.digests = digests
         self.rewards = rewards
         self.failure = failure
+        self.defaulted = defaulted  # None: not journaled, unknown after a restart
 
 
 class _Watermark:
@@ -298,7 +306,7 @@ class CohortRegistry:
         finally:
             self._waiters -= 1
             self._duplicate_bytes -= held
-        outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot])
+        outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot], cohort.defaulted)
         self.counters[_outcome_label(outcome)] += 1
         return outcome
 
@@ -376,7 +384,7 @@ class CohortRegistry:
                 return record.failure
             if record.digests[slot] != digest:
                 return _conflict(key, slot, "the completed cohort")
-            return Rewarded(record.rewards[slot])
+            return Rewarded(record.rewards[slot], record.defaulted)
 
         cohort = self._active.get(key)
         if cohort is not None:
@@ -569,6 +577,8 @@ class CohortRegistry:
         try:
             verdict = await self._judge.judge_pair(request)
         except JudgeFailed as exc:
+            cohort.input_tokens += exc.input_tokens
+            cohort.output_tokens += exc.output_tokens
             self._fail(cohort, self._judge_failure(cohort, str(exc)))
             return
         except Exception as exc:  # task boundary: any other error fails this cohort only
@@ -576,6 +586,8 @@ class CohortRegistry:
             self._fail(cohort, self._failure(
                 cohort, 503, "evaluation_error", f"judging failed: {type(exc).__name__}: {exc}"))
             return
+        cohort.input_tokens += verdict.input_tokens
+        cohort.output_tokens += verdict.output_tokens
         if cohort.phase in ACTIVE_PHASES:
             cohort.results[index] = verdict
             if len(cohort.results) == len(cohort.pairs):
@@ -604,8 +616,10 @@ class CohortRegistry:
             return
         cohort.rewards = tuple(float(r) for r in rewards)
         cohort.digests = digests
+        cohort.defaulted = sum(1 for v in cohort.results.values() if v.defaulted)
         self._disposed(cohort, "completed",
-                       f"rewards {[round(r, 4) for r in cohort.rewards[:16]]}")
+                       f"rewards {[round(r, 4) for r in cohort.rewards[:16]]}; "
+                       f"{cohort.defaulted} of {len(cohort.pairs)} comparisons defaulted")
         self._retire(cohort)
         self.counters["cohorts_completed"] += 1
         cohort.done.set()
@@ -636,9 +650,9 @@ class CohortRegistry:
         evaluation_s = None if evaluating_at is None else now - evaluating_at
         key = identity.describe(cohort.key)  # bounded, control characters escaped
         logger.info(
-            "%s %s after %.3f s: %s", key,
+            "%s %s after %.3f s: %s; judge tokens %d in, %d out", key,
             "completed" if kind == "completed" else f"failed ({kind})",
-            now - cohort.opened_at, detail,
+            now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
             extra={
                 "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
                 "members": len(cohort.members), "size": cohort.size,
@@ -646,6 +660,9 @@ class CohortRegistry:
                 "collection_s": round(collection_s, 6),
                 "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
                 "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
+                "defaulted_comparisons": cohort.defaulted,
+                "judge_input_tokens": cohort.input_tokens,
+                "judge_output_tokens": cohort.output_tokens,
             },
         )
         if self._observer is not None:
@@ -671,7 +688,8 @@ class CohortRegistry:
                     cohort.rewards, dataclasses.asdict(failure) if failure is not None else None,
                 )
             expires_at = math.inf if ttl is None else now + ttl
-            self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure)
+            self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure,
+                                         cohort.defaulted)
             self._records.move_to_end(key)
         if key.group_id is not None:
             group_id = key.group_id

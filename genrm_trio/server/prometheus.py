@@ -225,16 +225,31 @@ def _judge_families(judge: Judge) -> Iterator[Metric]:
                                 labels=["endpoint"])
     failures = CounterMetricFamily("genrm_judge_endpoint_failures",
                                    "Failed calls, by endpoint.", labels=["endpoint"])
+    waiting = GaugeMetricFamily("genrm_judge_endpoint_waiting",
+                                "Judge calls waiting for a judge.max_concurrency_per_endpoint "
+                                "slot, by endpoint.", labels=["endpoint"])
+    input_tokens = CounterMetricFamily("genrm_judge_endpoint_input_tokens",
+                                       "Input (prompt) tokens the judge reported, by endpoint.",
+                                       labels=["endpoint"])
+    output_tokens = CounterMetricFamily("genrm_judge_endpoint_output_tokens",
+                                        "Output (completion) tokens the judge reported, by "
+                                        "endpoint.", labels=["endpoint"])
     for endpoint in status.get("endpoints") or []:
         label = [str(endpoint.get("url", "?"))]
         in_flight.add_metric(label, float(endpoint.get("in_flight", 0)))
         consecutive.add_metric(label, float(endpoint.get("consecutive_failures", 0)))
         cooling.add_metric(label, 1.0 if endpoint.get("cooling_down") else 0.0)
         failures.add_metric(label, float(endpoint.get("failures", 0)))
+        waiting.add_metric(label, float(endpoint.get("waiting", 0)))
+        input_tokens.add_metric(label, float(endpoint.get("input_tokens", 0)))
+        output_tokens.add_metric(label, float(endpoint.get("output_tokens", 0)))
     yield in_flight
     yield consecutive
     yield cooling
     yield failures
+    yield waiting
+    yield input_tokens
+    yield output_tokens
 
 
 __all__ = ["DURATION_BUCKETS_S", "ServerMetrics"]

@@ -76,6 +76,27 @@ def chat_answer(body: Any) -> str:
     return non_blank(content if isinstance(content, str) else "")
 
 
+_MAX_TOKENS = 2**53  # a count beyond this is not a count
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_TOKENS:
+        return value
+    return 0
+
+
+def usage_of(body: Any) -> tuple[int, int]:
+    """``(input, output)`` tokens of an answer's ``usage`` (Responses: ``input_tokens`` and
+    ``output_tokens``; chat: ``prompt_tokens`` and ``completion_tokens``); 0 for what is missing
+    or not a plain non-negative integer. Never raises."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    if "input_tokens" in usage or "output_tokens" in usage:
+        return _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
 def non_blank(text: str) -> str:
     """``text`` itself; raises :class:`AttemptFailed` when it is blank."""
     if not text.strip():

@@ -51,6 +51,23 @@ class JudgeCallObserver(Protocol):
     def judge_call(self, endpoint: str, ok: bool, seconds: float) -> None: ...
 
 
+class PairState:
+    """What the attempts of one comparison share: the token tally (the backend adds what each
+    answer's ``usage`` reports) and where the last attempt went (``last_endpoint``, so a retry
+    can prefer another). Owned by the retry loop of that comparison."""
+
+    __slots__ = ("input_tokens", "output_tokens", "last_endpoint")
+
+    def __init__(self) -> None:
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.last_endpoint: object | None = None
+
+    def add(self, input_tokens: int, output_tokens: int) -> None:
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+
+
 def timeout_fatal(timeout_s: float) -> AttemptFatal:
     """The error of an attempt that ran out of ``judge_request_timeout_s``."""
     return AttemptFatal("timeout", f"judge request timed out after {timeout_s} s")

@@ -20,6 +20,7 @@ from genrm_trio.server.judge.attempt import (
     MAX_ERROR_CHARS,
     AttemptFailed,
     JudgeRequest,
+    PairState,
     timeout_fatal,
 )
 from genrm_trio.server.judge.bodies import base_params, resolved_principle
@@ -30,9 +31,9 @@ PluginFn = Callable[[dict[str, Any]], Awaitable[Any]]
 class Backend(Protocol):
     kind: str
 
-    async def call(self, request: JudgeRequest, attempt: int) -> str:
-        """Attempt ``attempt`` (0-based), deadline included. Raises AttemptFailed /
-        AttemptFatal."""
+    async def call(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
+        """Attempt ``attempt`` (0-based) of the comparison whose shared state is ``state``,
+        deadline included. Raises AttemptFailed / AttemptFatal."""
         ...
 
     def status(self) -> dict[str, Any]: ...
@@ -49,7 +50,7 @@ class PluginBackend:
         self._bridge = bridge
         self._params = base_params(cfg)
 
-    async def call(self, request: JudgeRequest, attempt: int) -> str:
+    async def call(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
         payload: dict[str, Any] = {
             "history": [dict(m) for m in request.history],
             "response_1": request.response_1,
@@ -94,7 +95,7 @@ class BuiltinBackend:
     def __init__(self, cfg: Config) -> None:
         self._cfg = cfg
 
-    async def call(self, request: JudgeRequest, attempt: int) -> str:
+    async def call(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
         await trio.lowlevel.checkpoint()
         return scoring.heuristic_judge_text(
             request.history,

@@ -1,10 +1,15 @@
 """Endpoint choice: which judge URL an attempt goes to, and the cool-down of failing ones.
 
-Calls go to the ready endpoint with the fewest calls in flight (ties: the least used, so
-sequential calls spread out). An endpoint with ``judge.endpoint_failure_threshold`` consecutive
-failures is skipped for ``judge.endpoint_cooldown_s``; when every endpoint cools down, the one
-whose cool-down started first is used. State is plain counters, touched only from trio tasks of
-the run that owns the judge.
+Calls go to the ready endpoint with the fewest calls in flight or waiting for it (ties: the
+least used, so sequential calls spread out); a retry avoids the endpoint its comparison's last
+attempt used whenever another is ready. An endpoint with ``judge.endpoint_failure_threshold``
+consecutive failures is skipped for ``judge.endpoint_cooldown_s``; when every endpoint cools
+down, the one whose cool-down started first is used.
+
+``judge.max_concurrency_per_endpoint`` gives each endpoint a ``CapacityLimiter``: a call waits
+for a slot here, on our side, before its per-request deadline starts, so a judge that serves
+fewer calls at once than we could send does not time calls out in its own queue. State is plain
+counters, touched only from trio tasks of the run that owns the judge.
 """
 
 from __future__ import annotations
@@ -52,9 +57,13 @@ class Endpoint:
         "cooling_until",
         "cooldown_started",
         "split_url",
+        "limiter",
+        "waiting",
+        "input_tokens",
+        "output_tokens",
     )
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_concurrency: int | None = None) -> None:
         self.url = url
         self.split_url = urllib.parse.urlsplit(url)
         self.display = display_url(url)
@@ -64,6 +73,10 @@ class Endpoint:
         self.consecutive_failures = 0
         self.cooling_until = -math.inf
         self.cooldown_started = -math.inf
+        self.limiter = trio.CapacityLimiter(max_concurrency) if max_concurrency else None
+        self.waiting = 0
+        self.input_tokens = 0
+        self.output_tokens = 0
 
     def cooling(self, now: float) -> bool:
         return now < self.cooling_until
@@ -74,15 +87,19 @@ class Endpoints:
 
     def __init__(self, cfg: Config, urls: list[str]) -> None:
         self._cfg = cfg
-        self.all = [Endpoint(u) for u in urls]
+        limit = cfg.judge.max_concurrency_per_endpoint
+        self.all = [Endpoint(u, limit) for u in urls]
 
-    def choose(self) -> Endpoint:
-        """The endpoint for the next attempt (never blocks)."""
+    def choose(self, avoid: object | None = None) -> Endpoint:
+        """The endpoint for the next attempt, not ``avoid`` when another is ready (never
+        blocks)."""
         now = trio.current_time()
         ready = [e for e in self.all if not e.cooling(now)]
+        if len(ready) > 1:
+            ready = [e for e in ready if e is not avoid]
         if ready:
-            # Fewest in flight; ties go to the least used so sequential calls spread out.
-            return min(ready, key=lambda e: (e.in_flight, e.picks))
+            # Least loaded; ties go to the least used so sequential calls spread out.
+            return min(ready, key=lambda e: (e.in_flight + e.waiting, e.picks))
         return min(self.all, key=lambda e: e.cooldown_started)
 
     def record(self, endpoint: Endpoint, failed: bool) -> None:

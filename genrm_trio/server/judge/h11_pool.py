@@ -91,6 +91,7 @@ class H11Pool:
         self._headers = [(k.encode(), v.encode()) for k, v in headers.items()]
         self._max_idle = max_idle_per_origin
         self._idle: dict[tuple[str, str, int], list[_H11Connection]] = {}
+        self._busy: dict[tuple[str, str, int], int] = {}  # connections in use, per origin
 
     async def _connect(self, scheme: str, host: str, port: int,
                        display: str) -> _H11Connection:
@@ -109,6 +110,19 @@ class H11Pool:
     async def post(self, endpoint: Endpoint, content: bytes) -> Answer:
         """POST ``content`` to ``endpoint``; blocks until the whole answer is read (the caller's
         trio deadline bounds it)."""
+        origin = self._origin(endpoint)
+        self._busy[origin] = self._busy.get(origin, 0) + 1
+        try:
+            return await self._post(endpoint, content)
+        finally:
+            self._busy[origin] -= 1
+
+    @staticmethod
+    def _origin(endpoint: Endpoint) -> tuple[str, str, int]:
+        url = endpoint.split_url
+        return url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
+    async def _post(self, endpoint: Endpoint, content: bytes) -> Answer:
         url = endpoint.split_url
         display = endpoint.display
         scheme = url.scheme
@@ -152,8 +166,9 @@ class H11Pool:
             )
 
     def clients(self, endpoint: Endpoint) -> int:
-        # Not tracked yet: /status shows 0 for this transport.
-        return 0
+        """Open connections to the endpoint's origin: idle ones plus those in use."""
+        origin = self._origin(endpoint)
+        return len(self._idle.get(origin, ())) + self._busy.get(origin, 0)
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, {}

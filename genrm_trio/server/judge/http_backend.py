@@ -12,12 +12,18 @@ import trio
 
 from genrm_trio import judge_prompt
 from genrm_trio.config import Config
-from genrm_trio.server.judge.answers import chat_answer, error_snippet, responses_answer
+from genrm_trio.server.judge.answers import (
+    chat_answer,
+    error_snippet,
+    responses_answer,
+    usage_of,
+)
 from genrm_trio.server.judge.attempt import (
     AttemptFailed,
     AttemptFatal,
     JudgeCallObserver,
     JudgeRequest,
+    PairState,
     timeout_fatal,
 )
 from genrm_trio.server.judge.bodies import BodyBuilder
@@ -68,10 +74,28 @@ class HttpBackend:
         """Close every connection. Blocks while connections close; the caller bounds it."""
         await self._transport.aclose()
 
-    async def call(self, request: JudgeRequest, attempt: int) -> str:
+    async def call(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
+        """One attempt: pick an endpoint (another than the comparison's last when one is ready),
+        wait for a slot of its ``max_concurrency_per_endpoint`` (no deadline of ours yet: the
+        enclosing evaluation deadline bounds the wait), then POST under
+        ``judge_request_timeout_s`` and classify the answer."""
         content = self._encoder.encode(self._bodies.build(request, attempt))
-        endpoint = self._endpoints.choose()
+        endpoint = self._endpoints.choose(state.last_endpoint)
+        state.last_endpoint = endpoint
         endpoint.picks += 1
+        if endpoint.limiter is None:
+            return await self._call_endpoint(endpoint, content, state)
+        endpoint.waiting += 1
+        try:
+            await endpoint.limiter.acquire()
+        finally:
+            endpoint.waiting -= 1
+        try:
+            return await self._call_endpoint(endpoint, content, state)
+        finally:
+            endpoint.limiter.release()
+
+    async def _call_endpoint(self, endpoint: Endpoint, content: bytes, state: PairState) -> str:
         endpoint.in_flight += 1
         # None: the attempt was cancelled from outside, which says nothing about the endpoint.
         endpoint_failed: bool | None = None
@@ -92,7 +116,7 @@ class HttpBackend:
                 endpoint_failed = True
                 raise timeout_fatal(timeout_s)
             endpoint_failed = answer.status >= 500
-            text = self._classify(endpoint, answer)
+            text = self._classify(endpoint, answer, state)
             ok = True
             return text
         finally:
@@ -103,7 +127,7 @@ class HttpBackend:
                     self._observer.judge_call(endpoint.display, ok,
                                               trio.current_time() - started)
 
-    def _classify(self, endpoint: Endpoint, response: Answer) -> str:
+    def _classify(self, endpoint: Endpoint, response: Answer, state: PairState) -> str:
         code = response.status
         if 200 <= code < 300:
             try:
@@ -112,6 +136,11 @@ class HttpBackend:
                 raise AttemptFailed(
                     "unusable", f"judge {endpoint.display}: unusable answer: body is not JSON"
                 ) from exc
+            # Counted whatever the answer: a truncated one cost its tokens too.
+            input_tokens, output_tokens = usage_of(body)
+            state.add(input_tokens, output_tokens)
+            endpoint.input_tokens += input_tokens
+            endpoint.output_tokens += output_tokens
             try:
                 return self._extract(body)
             except AttemptFailed as exc:
@@ -134,6 +163,11 @@ class HttpBackend:
                     "consecutive_failures": e.consecutive_failures,
                     "cooling_down": e.cooling(now),
                     "clients": self._transport.clients(e),
+                    "waiting": e.waiting,
+                    "max_concurrency": (
+                        int(e.limiter.total_tokens) if e.limiter is not None else None),
+                    "input_tokens": e.input_tokens,
+                    "output_tokens": e.output_tokens,
                 }
                 for e in self._endpoints.all
             ]

@@ -17,6 +17,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import trio
 
 from genrm_trio import judge_prompt, scoring
@@ -29,6 +30,7 @@ from genrm_trio.server.judge.attempt import (
     AttemptFatal,
     JudgeCallObserver,
     JudgeRequest,
+    PairState,
 )
 from genrm_trio.server.judge.backends import Backend, BuiltinBackend, PluginBackend, load_plugin
 from genrm_trio.server.judge.endpoints import display_url
@@ -54,7 +56,8 @@ class JudgeStats:
     ``failures_by_reason`` counts failed *attempts* by reason (``http_503``, ``transport``,
     ``timeout``, ``unusable``, ``truncated``, ``parse``, ``plugin``, ...);
     ``truncated_answers`` counts answers cut by the output budget; ``comparisons_failed`` counts
-    comparisons that ended in :class:`~genrm_trio.errors.JudgeFailed`.
+    comparisons that ended in :class:`~genrm_trio.errors.JudgeFailed`; ``input_tokens`` and
+    ``output_tokens`` sum the ``usage`` the judge reported (per endpoint: ``Judge.status()``).
     """
 
     comparisons: int = 0
@@ -69,6 +72,8 @@ class JudgeStats:
     failures_by_reason: dict[str, int] = field(default_factory=dict)
     latency_seconds_sum: float = 0.0
     backoff_seconds_sum: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class Judge:
@@ -101,12 +106,26 @@ class Judge:
         sleeps are ``trio.sleep``, so an outer deadline cuts them. An outer cancellation raises
         ``trio.Cancelled`` at once and aborts the attempt in flight.
 
-        Returns the parsed verdict, or the default verdict when the budget ran out and some
-        attempt did give a usable (but unparseable) answer (with ``unparseable_verdict_policy:
-        mask`` that is a failure instead). Raises
-        :class:`~genrm_trio.errors.JudgeFailed` (short text, no api key) on a non-retryable
-        error, a per-request timeout, or an exhausted budget without any usable answer.
+        Returns the parsed verdict, or the default verdict (``defaulted`` set) when the budget
+        ran out and some attempt did give a usable (but unparseable) answer (with
+        ``unparseable_verdict_policy: mask`` that is a failure instead); either carries the
+        tokens the judge reported for all attempts. Raises
+        :class:`~genrm_trio.errors.JudgeFailed` (short text, no api key, the tokens spent) on a
+        non-retryable error, a per-request timeout, a Retry-After beyond the enclosing
+        deadline, or an exhausted budget without any usable answer.
         """
+        state = PairState()
+        try:
+            verdict = await self._judge(request, state)
+        except JudgeFailed as exc:
+            raise JudgeFailed(str(exc), state.input_tokens, state.output_tokens) from None
+        finally:
+            self.stats.input_tokens += state.input_tokens
+            self.stats.output_tokens += state.output_tokens
+        return msgspec.structs.replace(
+            verdict, input_tokens=state.input_tokens, output_tokens=state.output_tokens)
+
+    async def _judge(self, request: JudgeRequest, state: PairState) -> scoring.Verdict:
         cfg = self._cfg
         stats = self.stats
         attempts = max(1, cfg.genrm_parse_retries + 1)
@@ -125,7 +144,7 @@ class Judge:
                 stats.backoff_seconds_sum += delay  # completed waits only
             retry_after = None
             try:
-                text = await self._attempt(request, k)
+                text = await self._attempt(request, k, state)
             except AttemptFatal as exc:
                 self._count(exc.reason)
                 stats.comparisons_failed += 1
@@ -161,7 +180,8 @@ class Judge:
                 attempts,
                 self._safe(last_error),
             )
-            return scoring.Verdict(cfg.default_score, cfg.default_score, cfg.default_ranking)
+            return scoring.Verdict(cfg.default_score, cfg.default_score, cfg.default_ranking,
+                                   defaulted=True)
         stats.comparisons_failed += 1
         if truncated:
             key, value = self._budget_key()
@@ -186,13 +206,13 @@ class Judge:
                 return f"genrm_responses_create_params.{name}", params[name]
         return "genrm_responses_create_params.max_output_tokens", "the server's default"
 
-    async def _attempt(self, request: JudgeRequest, attempt: int) -> str:
+    async def _attempt(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
         async with self._limiter:
             self.stats.calls += 1
             started = trio.current_time()
             ok = False
             try:
-                text = await self._backend.call(request, attempt)
+                text = await self._backend.call(request, attempt, state)
                 ok = True
                 return text
             finally:
