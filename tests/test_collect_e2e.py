@@ -63,6 +63,7 @@ async def stack(
             None,
             [
                 f"num_rollouts_per_prompt={n}",
+                "port=0",  # never the default 8000: other suites run at the same time
                 f"cohort_collection_timeout_s={collection_timeout_s}",
                 "cohort_evaluation_timeout_s=5",
                 "judge_request_timeout_s=2",
