@@ -3,6 +3,7 @@ client) stays inside that cohort or request; every other cohort and the process 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 from pathlib import Path
@@ -15,11 +16,12 @@ import trio
 import trio.testing
 
 from genrm_trio import scoring
-from genrm_trio.config import Config
+from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.server.app import VerifyEndpoint
 from genrm_trio.server.cohort import CohortRegistry, Failure, Rewarded
 from genrm_trio.server.journal import FILE_NAME, Journal
 from genrm_trio.server.judge import JudgeRequest
+from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
 from tests.lifecycle_helpers import Outcomes, ScriptedJudge, body, member, open_registry
 from tests.server_helpers import running_server
 
@@ -347,3 +349,50 @@ async def test_a_failing_journal_shows_in_status_and_metrics_over_http(tmp_path:
         metrics = (await c.get("/metrics")).text
         assert "genrm_journal_degraded 1" in metrics
         assert (await c.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize("poison", [Fault.EXTREME, Fault.WRONG_TYPES, Fault.OUT_OF_RANGE,
+                                    Fault.NONFINITE])
+@pytest.mark.parametrize("policy", ["default", "mask"])
+async def test_poisoned_judge_answers_over_a_real_socket(
+    nursery: trio.Nursery, poison: Fault, policy: str,
+) -> None:
+    """A judge answering absurd verdicts (mixed-sign extremes near the float limit, wrong types,
+    off-scale values) for one cohort: that cohort alone is affected (the default verdict, or
+    masked with a reason naming the cause under ``mask``), the process lives and the next
+    cohort is judged normally."""
+    state = MockJudgeState()
+    judge_url = await nursery.start(functools.partial(
+        run_mock_judge, MockJudgeSettings(), state=state))
+    cfg = Config(num_rollouts_per_prompt=2, port=0, genrm_parse_retries=1,
+                 genrm_parse_retry_sleep_s=0.0, shutdown_grace_s=1.0,
+                 unparseable_verdict_policy=policy,
+                 judge=JudgeConfig(base_urls=(judge_url,), api="chat"))
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url, timeout=30) as c:
+        async def group(name: str) -> list[dict[str, Any]]:
+            out: dict[int, dict[str, Any]] = {}
+
+            async def one(slot: int) -> None:
+                answer = await c.post("/verify", json=body(slot, group=name))
+                assert answer.status_code == 200, answer.text
+                out[slot] = answer.json()
+
+            async with trio.open_nursery() as both:
+                for slot in range(2):
+                    both.start_soon(one, slot)
+            return [out[0], out[1]]
+
+        state.set_fault(poison, 4)  # both comparisons, both attempts
+        poisoned = await group("poisoned")
+        if policy == "mask":
+            for out in poisoned:
+                assert out["mask_sample"] is True and out["failure_kind"] == "judge_failed"
+                assert "unparseable" in out["failure_reason"]
+        else:
+            assert [out["reward"] for out in poisoned] == [cfg.default_score] * 2
+            assert all(out["mask_sample"] is False for out in poisoned)
+        healthy = await group("healthy")
+        assert all(out["mask_sample"] is False for out in healthy)
+        assert healthy[0]["reward"] != healthy[1]["reward"]  # a real verdict, not the default
+        assert (await c.get("/healthz")).status_code == 200
+        assert state.calls == 6

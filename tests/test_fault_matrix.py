@@ -31,7 +31,8 @@ TRANSIENT = {Fault.HTTP_503, Fault.HTTP_429, Fault.HTTP_408, Fault.RESET, Fault.
 #: The per-request deadline: not retried, the comparison (so the cohort) fails at once.
 DEADLINE = {Fault.TRICKLE, Fault.HANG}
 #: A usable answer without a parseable verdict: retried, then the default verdict.
-UNPARSEABLE = {Fault.GARBAGE, Fault.NONFINITE}
+UNPARSEABLE = {Fault.GARBAGE, Fault.NONFINITE, Fault.EXTREME, Fault.WRONG_TYPES,
+               Fault.OUT_OF_RANGE}
 assert TRANSIENT | DEADLINE | UNPARSEABLE | {Fault.NONE} == set(Fault)
 
 

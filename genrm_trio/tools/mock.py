@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NoReturn
 
 import click
@@ -79,6 +80,8 @@ class Fault(enum.StrEnum):
     few bytes at a time, ``trickle_interval_s`` apart; ``hang`` never answers (until the client
     leaves or the server stops); ``garbage`` is a 200 whose text has no JSON verdict; ``empty``
     a 200 with blank text; ``nonfinite`` a 200 whose verdict has ``1e999`` scores;
+    ``extreme`` finite scores near the float limit with opposite signs; ``wrong_types`` a
+    verdict of lists and words; ``out_of_range`` scores and ranking off their scales;
     ``incomplete`` a 200 with ``"status": "incomplete"`` and a cut verdict.
     """
 
@@ -94,6 +97,9 @@ class Fault(enum.StrEnum):
     GARBAGE = "garbage"
     EMPTY = "empty"
     NONFINITE = "nonfinite"
+    EXTREME = "extreme"
+    WRONG_TYPES = "wrong_types"
+    OUT_OF_RANGE = "out_of_range"
     INCOMPLETE = "incomplete"
 
 
@@ -356,6 +362,12 @@ _GARBAGE_TEXT = (
     "commit to scores for this pair."
 )
 _NONFINITE_TEXT = '```json\n{"score_1": 1e999, "score_2": -1e999, "ranking": 3.5}\n```'
+# Poisoned verdicts that parse as JSON: each must be refused, never summed.
+_POISON_TEXT = MappingProxyType({
+    "extreme": '{"score_1": 1.7e308, "score_2": -1.7e308, "ranking": 1}',
+    "wrong_types": '{"score_1": [4], "score_2": {"v": 2}, "ranking": "high"}',
+    "out_of_range": '{"score_1": 9, "score_2": -3, "ranking": 0}',
+})
 
 
 def _answer_text(fault: Fault, judged: _JudgeInput) -> str:
@@ -365,6 +377,8 @@ def _answer_text(fault: Fault, judged: _JudgeInput) -> str:
         return ""
     if fault is Fault.NONFINITE:
         return _NONFINITE_TEXT
+    if fault.value in _POISON_TEXT:
+        return _POISON_TEXT[fault.value]
     text = scoring.heuristic_judge_text(
         judged.history, judged.response_1, judged.response_2, judged.principle
     )
