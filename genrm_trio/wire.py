@@ -129,30 +129,16 @@ def _bound_violation(obj: Any) -> str | None:
     pop, push = stack.pop, stack.append
     while stack:
         value, depth = pop()
-        if isinstance(value, dict):
-            if depth > MAX_JSON_DEPTH:
+        if depth > MAX_JSON_DEPTH:
+            break
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, (dict, list)):
+                push((item, depth + 1))
+            elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
                 break
-            for item in value.values():
-                if isinstance(item, (dict, list)):
-                    push((item, depth + 1))
-                elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
-                    break
-            else:
-                continue
-            break
-        elif isinstance(value, list):
-            if depth > MAX_JSON_DEPTH:
-                break
-            for item in value:
-                if isinstance(item, (dict, list)):
-                    push((item, depth + 1))
-                elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
-                    break
-            else:
-                continue
-            break
-        elif type(value) is int and not INT64_MIN <= value <= INT64_MAX:
-            break
+        else:
+            continue
+        break
     else:
         return None
     return _describe_violation(obj, "$", 1)
