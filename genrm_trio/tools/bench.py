@@ -58,6 +58,7 @@ __all__ = [
     "PRESETS",
     "BenchError",
     "bench_cli",
+    "launch_process",
     "run_bench",
 ]
 
@@ -132,7 +133,7 @@ async def _wait_healthy(proc: Proc) -> None:
 
 
 @asynccontextmanager
-async def _launch(
+async def launch_process(
     cmd: Sequence[str],
     *,
     log_path: Path,
@@ -401,12 +402,14 @@ async def _rig(
     ctx.runs += 1
     tag = f"r{ctx.runs}-{int(time.time())}"
     logs = ctx.out_dir / "logs"
-    async with _launch(
+    async with launch_process(
         mock_command(judge), log_path=logs / f"{label}-{kind}-judge.log", ready_prefix=_READY_MOCK
     ) as judge_proc:
         if kind == "ours":
             cmd = ours_command(judge_proc.base_url, server)
-            launch = _launch(cmd, log_path=logs / f"{label}-ours.log", ready_prefix=_READY_OURS)
+            launch = launch_process(
+                cmd, log_path=logs / f"{label}-ours.log", ready_prefix=_READY_OURS
+            )
         else:
             if ctx.nemo_dir is None:
                 raise BenchError("NeMo Gym is not available")
@@ -416,7 +419,7 @@ async def _rig(
             env["NEMO_GYM_CONFIG_PATH"] = "genrm_compare_bench"
             env.pop("VIRTUAL_ENV", None)
             python = str(ctx.nemo_dir.parents[4] / "bin" / "python")
-            launch = _launch(
+            launch = launch_process(
                 [python, "app.py"],
                 log_path=logs / f"{label}-nemo.log",
                 base_url=f"http://127.0.0.1:{port}",

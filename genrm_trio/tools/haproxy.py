@@ -1,0 +1,210 @@
+"""HAProxy in front of genrm-trio replicas, on loopback: the shipped ``configs/haproxy.cfg``.
+
+Used by the ``scaleout`` bench preset and ``tests/test_haproxy.py``; an operator runs the
+shipped file directly (README, "Running N replicas"). Nothing here imports the server: HAProxy
+and the replicas are processes spoken to over HTTP.
+
+::
+
+    open_haproxy(replicas, max_request_bytes=...)   async context manager
+      +-- derive_config(shipped text, n)           one "server" line per replica
+      +-- a listening socket on 127.0.0.1:0        handed to HAProxy as "fd@N" (no port race)
+      +-- haproxy -db -f derived.cfg               until the context exits: SIGTERM by pid,
+                                                   SIGKILL after a grace period
+
+The shipped file takes its addresses and buffer size from environment variables with
+defaults (``"${NAME-default}"``, expanded by HAProxy itself), so the derived file differs from
+it only in the number of ``server`` lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import trio
+
+__all__ = [
+    "REPLICA_HEADER",
+    "HaproxyError",
+    "Haproxy",
+    "bufsize_for",
+    "derive_config",
+    "ensure_haproxy",
+    "open_haproxy",
+    "shipped_config",
+]
+
+REPLICA_HEADER = "x-genrm-replica"
+"""The response header the shipped config sets to the name of the replica that answered."""
+
+_HEADER_ROOM_BYTES = 64 * 1024
+_STOP_GRACE_S = 5.0
+_READY_S = 30.0
+_SERVER_LINE = re.compile(r'^(\s*)server r\d+ "\$\{GENRM_REPLICA_\d+-[^}]*\}"(.*)$', re.M)
+
+
+class HaproxyError(Exception):
+    """HAProxy is missing and could not be installed, or did not start."""
+
+
+@dataclass(frozen=True)
+class Haproxy:
+    """A running HAProxy: its base URL, the replica names in order (``r1``, ``r2``, ...) and
+    the process (ended by :func:`open_haproxy`, never by its user)."""
+
+    url: str
+    names: tuple[str, ...]
+    process: trio.Process
+
+
+def shipped_config() -> Path:
+    """``configs/haproxy.cfg`` of this checkout (or of the current directory)."""
+    here = Path(__file__).resolve().parents[2] / "configs" / "haproxy.cfg"
+    return here if here.exists() else Path.cwd() / "configs" / "haproxy.cfg"
+
+
+def ensure_haproxy() -> str:
+    """The ``haproxy`` executable; when missing, install the Debian package (``apt-get``).
+
+    Blocks (minutes on a fresh machine; run it in a thread from async code). Raises
+    :class:`HaproxyError` with the installer's last line when that fails (no root, no apt).
+    """
+    found = shutil.which("haproxy")
+    if found:
+        return found
+    apt = shutil.which("apt-get")
+    if apt is None:
+        raise HaproxyError("haproxy is not installed and there is no apt-get to install it")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for step in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "haproxy"]):
+        done = subprocess.run(step, capture_output=True, text=True, env=env, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+            raise HaproxyError(f"{' '.join(step[:2])} failed: {' '.join(tail)}")
+    found = shutil.which("haproxy")
+    if found is None:
+        raise HaproxyError("apt-get install haproxy succeeded but haproxy is not on PATH")
+    return found
+
+
+def bufsize_for(max_request_bytes: int) -> int:
+    """HAProxy's ``tune.bufsize`` for bodies up to ``max_request_bytes``: the body plus room for
+    the request headers, a multiple of 16."""
+    return (max_request_bytes + _HEADER_ROOM_BYTES + 15) // 16 * 16
+
+
+def derive_config(text: str, replicas: int) -> str:
+    """The shipped config with exactly ``replicas`` server lines ``r1 .. rN``, each reading its
+    address from ``GENRM_REPLICA_<i>`` like the shipped ones. Raises ``ValueError`` when the
+    text has no such line to copy."""
+    if replicas < 1:
+        raise ValueError("at least one replica")
+    lines = list(_SERVER_LINE.finditer(text))
+    if not lines:
+        raise ValueError('no `server rN "${GENRM_REPLICA_N-...}"` line in the HAProxy config')
+    indent, options = lines[0].group(1), lines[0].group(2)
+    block = "\n".join(
+        f'{indent}server r{i} "${{GENRM_REPLICA_{i}-127.0.0.1:{8000 + i}}}"{options}'
+        for i in range(1, replicas + 1)
+    )
+    start, end = lines[0].start(), lines[-1].end()
+    return text[:start] + block + text[end:]
+
+
+@asynccontextmanager
+async def open_haproxy(
+    replicas: Sequence[str],
+    *,
+    max_request_bytes: int,
+    config: Path | None = None,
+    log_path: Path | None = None,
+) -> AsyncIterator[Haproxy]:
+    """Run HAProxy with the shipped config in front of ``replicas`` (``host:port`` each, in
+    ring order ``r1, r2, ...``), listening on a fresh loopback port.
+
+    Blocks until a ``GET /readyz`` through HAProxy answers 200 (the replicas must be serving),
+    at most 30 s, else raises :class:`HaproxyError`. On exit HAProxy gets SIGTERM (by pid),
+    then SIGKILL after a grace period; nothing it started outlives the context.
+    """
+    exe = await trio.to_thread.run_sync(ensure_haproxy)
+    with tempfile.TemporaryDirectory(prefix="genrm-haproxy-") as tmp:
+        cfg_path = Path(tmp) / "haproxy.cfg"
+        log = await trio.to_thread.run_sync(
+            _prepare, config or shipped_config(), cfg_path, len(replicas), log_path)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4096)
+        port = listener.getsockname()[1]
+        env = dict(os.environ)
+        env["GENRM_HAPROXY_BIND"] = f"fd@{listener.fileno()}"
+        env["GENRM_HAPROXY_BUFSIZE"] = str(bufsize_for(max_request_bytes))
+        for i, address in enumerate(replicas, start=1):
+            env[f"GENRM_REPLICA_{i}"] = address
+        try:
+            process = await trio.lowlevel.open_process(
+                [exe, "-db", "-f", str(cfg_path)], env=env, pass_fds=(listener.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            )
+        finally:
+            listener.close()  # HAProxy holds its own copy
+            if not isinstance(log, int):
+                log.close()
+        proxy = Haproxy(f"http://127.0.0.1:{port}",
+                        tuple(f"r{i}" for i in range(1, len(replicas) + 1)), process)
+        try:
+            await _wait_ready(proxy)
+            yield proxy
+        finally:
+            await _stop(process)
+
+
+def _prepare(config: Path, cfg_path: Path, replicas: int,
+             log_path: Path | None) -> BinaryIO | int:
+    """Blocking: write the derived config; open the log (or DEVNULL) for HAProxy's output."""
+    cfg_path.write_text(derive_config(config.read_text(encoding="utf-8"), replicas),
+                        encoding="utf-8")
+    if log_path is None:
+        return subprocess.DEVNULL
+    return open(log_path, "ab")  # noqa: SIM115 - closed by open_haproxy once HAProxy has it
+
+
+async def _wait_ready(proxy: Haproxy) -> None:
+    port = int(proxy.url.rsplit(":", 1)[1])
+    request = b"GET /readyz HTTP/1.1\r\nHost: haproxy\r\nConnection: close\r\n\r\n"
+    with trio.move_on_after(_READY_S):
+        while proxy.process.returncode is None:
+            try:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    await stream.send_all(request)
+                    head = await stream.receive_some(4096)
+                if head.startswith(b"HTTP/1.1 200"):
+                    return
+            except (OSError, trio.BrokenResourceError):
+                pass
+            await trio.sleep(0.05)
+    raise HaproxyError(
+        f"haproxy did not become ready (exit code {proxy.process.returncode})"
+    )
+
+
+async def _stop(process: trio.Process) -> None:
+    with trio.move_on_after(_STOP_GRACE_S, shield=True):
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        await process.wait()
+    if process.returncode is None:
+        process.kill()
+        with trio.move_on_after(_STOP_GRACE_S, shield=True):
+            await process.wait()
