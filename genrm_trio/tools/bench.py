@@ -20,6 +20,7 @@ from a Python 3.13 under pyenv; without one its runs are skipped with a message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
@@ -326,7 +327,8 @@ def nemo_config(port: int, judge_url: str, server: ServerSettings) -> str:
 
 
 def ours_command(judge_url: str, server: ServerSettings) -> list[str]:
-    """``genrm-trio serve`` on a free loopback port with the case's settings."""
+    """``genrm-trio serve`` on a free loopback port with the case's settings (no judge URL:
+    the built-in judge)."""
     exe = shutil.which("genrm-trio")
     base = [exe] if exe else [sys.executable, "-m", "genrm_trio.cli"]
     ttl = "null" if server.result_ttl_s is None else repr(server.result_ttl_s)
@@ -338,7 +340,9 @@ def ours_command(judge_url: str, server: ServerSettings) -> list[str]:
         "judge_max_concurrency": "4096",
         "log_level": "WARNING",
     }
-    cmd = [*base, "serve", "--host", "127.0.0.1", "--port", "0", "--judge-url", judge_url]
+    cmd = [*base, "serve", "--host", "127.0.0.1", "--port", "0"]
+    if judge_url:
+        cmd += ["--judge-url", judge_url]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     return cmd
@@ -463,6 +467,8 @@ class Case:
     label: str
     run: RunFn
     params: dict[str, Any] = field(default_factory=dict)
+    kinds: tuple[str, ...] = KINDS
+    """The servers the case compares; a case that measures only ours has ``("ours",)``."""
 
 
 def _ms(seconds: float) -> float:
@@ -1066,6 +1072,134 @@ def admission_case(active_groups: int, *, cap: int = 1000, admissions: int = 200
                  "admissions": admissions})
 
 
+# -- scale-out ---------------------------------------------------------------------------------
+
+_READY_BARE = "genrm-trio bare listening on "
+
+
+def bare_command() -> list[str]:
+    """The bare Hypercorn ASGI app (:mod:`genrm_trio.tools.bare`) on a free loopback port."""
+    return [sys.executable, "-m", "genrm_trio.tools.bare", "--port", "0"]
+
+
+def scaleout_case(
+    *, n: int = 8, k: int = 32, duration_s: float = 5.0, replicas: int = 2
+) -> Case:
+    """One replica, ``replicas`` replicas behind HAProxy (``configs/haproxy.cfg``) and the bare
+    Hypercorn app, side by side in one run (in alternating order from run to run), under the
+    same load: K cohorts of N in flight for ``duration_s`` each. The replicas use the built-in
+    judge (in process, no network), so all three answer every request with one HTTP exchange
+    and the bare app is the limit of the HTTP stack they share.
+
+    Metrics: verifies/s of each, ``one_over_bare`` and ``two_over_one``; CPU use (percent of one
+    core) of the load generator, the replicas together and HAProxy, per setup.
+    """
+    from genrm_trio.tools.haproxy import open_haproxy
+
+    runs = 0
+    settings = ServerSettings(n=n)
+
+    async def measure(client: H11Client, pids: Sequence[int], proxy_pid: int | None,
+                      bodies: BodyFactory, first: int) -> dict[str, float]:
+        await loadgen.drive_load(client, bodies, LoadPlan(
+            n=n, k=4, max_cohorts=8, duration_s=60.0, first_cohort=first + 900_000))  # warm-up
+        before = [read_proc_stats(p).cpu_s for p in pids]
+        proxy_before = read_proc_stats(proxy_pid).cpu_s if proxy_pid else 0.0
+        own_before = time.process_time()
+        plan = LoadPlan(n=n, k=k, max_cohorts=1_000_000, duration_s=duration_s,
+                        first_cohort=first)
+        result = await loadgen.drive_load(client, bodies, plan)
+        wall = result.wall_s
+        cpu = sum(read_proc_stats(p).cpu_s for p in pids) - sum(before)
+        out = {
+            "verifies_per_s": result.verifies / wall,
+            "server_cpu_pct": 100.0 * cpu / wall,
+            "loadgen_cpu_pct": 100.0 * (time.process_time() - own_before) / wall,
+            "failed_members": float(sum(result.failures.values())),
+        }
+        if proxy_pid:
+            out["haproxy_cpu_pct"] = 100.0 * (read_proc_stats(proxy_pid).cpu_s
+                                              - proxy_before) / wall
+        return out
+
+    async def answer_bytes(client: H11Client, bodies: BodyFactory, cohort: int) -> float:
+        """Mean answer size over one whole cohort (a lone member would wait for the rest)."""
+        sizes: list[int] = []
+
+        async def member(i: int) -> None:
+            answer = await client.request("POST", "/verify", bodies.member(cohort, i))
+            sizes.append(len(answer.body))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(member, i)
+        return sum(sizes) / len(sizes)
+
+    async def bare(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
+        async with launch_process(bare_command(), log_path=logs / "scaleout-bare.log",
+                                  ready_prefix=_READY_BARE) as proc:
+            client = H11Client(*proc.host_port)
+            try:
+                metrics = await measure(client, [proc.pid], None, bodies, 0)
+                metrics["answer_bytes"] = await answer_bytes(client, bodies, 900_000)
+                return metrics
+            finally:
+                await client.aclose()
+
+    async def one(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
+        async with launch_process(ours_command("", settings), log_path=logs / "scaleout-one.log",
+                                  ready_prefix=_READY_OURS) as proc:
+            client = H11Client(*proc.host_port)
+            try:
+                metrics = await measure(client, [proc.pid], None, bodies, 2_000_000)
+                metrics["answer_bytes"] = await answer_bytes(client, bodies, 2_900_000)
+                return metrics
+            finally:
+                await client.aclose()
+
+    async def many(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
+        async with contextlib.AsyncExitStack() as stack:
+            procs = [
+                await stack.enter_async_context(launch_process(
+                    ours_command("", settings), log_path=logs / f"scaleout-replica{i}.log",
+                    ready_prefix=_READY_OURS))
+                for i in range(1, replicas + 1)
+            ]
+            proxy = await stack.enter_async_context(open_haproxy(
+                [p.base_url.removeprefix("http://") for p in procs],
+                max_request_bytes=16 * 2**20, log_path=logs / "scaleout-haproxy.log"))
+            host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+            client = H11Client(host, int(port))
+            try:
+                return await measure(client, [p.pid for p in procs], proxy.process.pid,
+                                     bodies, 4_000_000)
+            finally:
+                await client.aclose()
+
+    async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
+        nonlocal runs
+        runs += 1
+        logs = ctx.out_dir / "logs"
+        bodies = BodyFactory(seed=19, run_tag=f"{tag}-{runs}-{int(time.time())}")
+        setups = [("bare", bare), ("one", one), ("two", many)]
+        if runs % 2 == 0:
+            setups.reverse()
+        got: dict[str, dict[str, float]] = {}
+        for name, setup in setups:
+            got[name] = await setup(ctx, logs, bodies)
+        metrics = {f"{name}_{m}": v for name, values in got.items() for m, v in values.items()}
+        metrics["one_over_bare"] = got["one"]["verifies_per_s"] / got["bare"]["verifies_per_s"]
+        metrics["two_over_one"] = got["two"]["verifies_per_s"] / got["one"]["verifies_per_s"]
+        metrics["two_over_bare"] = got["two"]["verifies_per_s"] / got["bare"]["verifies_per_s"]
+        load = os.getloadavg()[0]
+        return RunRecord(metrics, notes={"order": [s for s, _ in setups],
+                                         "loadavg_1min_before_end": load})
+
+    params = {"n": n, "k": k, "duration_s": duration_s, "replicas": replicas,
+              "judge": "built-in (in process)"}
+    return Case("scaleout", f"n{n}-k{k}-{replicas}replicas", run, params, kinds=("ours",))
+
+
 # -- presets -----------------------------------------------------------------------------------
 
 
@@ -1110,6 +1244,7 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "staggered": lambda: [staggered_case()],
     "steady_state": lambda: [steady_state_case()],
     "admission": lambda: [admission_case(g) for g in (0, 1000, 3000, 5000, 10000)],
+    "scaleout": lambda: [scaleout_case()],
     "tail": lambda: [
         load_case(
             "tail", "k1-n16-judge50ms", n=16, k=1, judge_ms=50.0, duration_s=120.0, max_cohorts=400
@@ -1182,7 +1317,7 @@ async def run_bench(
     await trio.to_thread.run_sync(functools.partial(out_dir.mkdir, parents=True, exist_ok=True))
     skip_nemo: str | None = None
     nemo_dir: Path | None = None
-    if "nemo" in kinds:
+    if "nemo" in kinds and any("nemo" in case.kinds for case in cases):
         found = await trio.to_thread.run_sync(ensure_nemo_venv, nemo_venv or default_nemo_venv())
         if isinstance(found, Path):
             nemo_dir = found
@@ -1195,6 +1330,9 @@ async def run_bench(
         result = CaseResult(case.preset, case.label, case.params, {k: [] for k in kinds})
         for rep in range(repeats):
             for kind in kinds:
+                if kind not in case.kinds:
+                    result.skipped[kind] = f"{kind} skipped: this case measures ours only"
+                    continue
                 if kind == "nemo" and skip_nemo:
                     result.skipped[kind] = skip_nemo
                     continue
