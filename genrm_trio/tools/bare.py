@@ -24,12 +24,25 @@ from hypercorn.trio import serve as hypercorn_serve
 from genrm_trio.config import Config
 from genrm_trio.server.serve import _hypercorn_config
 
-__all__ = ["BareApp", "bare_cli"]
+__all__ = ["CANNED_JUDGE", "BareApp", "bare_cli", "canned_judge"]
+
+CANNED_JUDGE = "genrm_trio.tools.bare:canned_judge"
+"""The ``judge.plugin`` spec of :func:`canned_judge`."""
+
+_CANNED_VERDICT = '{"score_1": 4, "score_2": 3, "ranking": 3}'
 
 ANSWER_EXTRA_BYTES = 120
 """What a /verify success answer adds to the member's body (reward, mask and failure fields)."""
 
 _MAX_CANNED = 4096
+
+
+async def canned_judge(request: dict[str, Any]) -> str:
+    """A judge plugin (``judge.plugin: genrm_trio.tools.bare:canned_judge``) that answers one
+    fixed verdict at once: a judge that costs the server nothing but parsing its answer, so a
+    replica's throughput is the server's own. Never blocks beyond one checkpoint."""
+    await trio.lowlevel.checkpoint()
+    return _CANNED_VERDICT
 
 
 class BareApp:

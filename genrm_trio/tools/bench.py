@@ -1083,21 +1083,30 @@ def bare_command() -> list[str]:
 
 
 def scaleout_case(
-    *, n: int = 8, k: int = 32, duration_s: float = 5.0, replicas: int = 2
+    *, n: int = 8, k: int = 32, duration_s: float = 5.0, replicas: int = 2,
+    judge: str = "canned",
 ) -> Case:
     """One replica, ``replicas`` replicas behind HAProxy (``configs/haproxy.cfg``) and the bare
     Hypercorn app, side by side in one run (in alternating order from run to run), under the
-    same load: K cohorts of N in flight for ``duration_s`` each. The replicas use the built-in
-    judge (in process, no network), so all three answer every request with one HTTP exchange
-    and the bare app is the limit of the HTTP stack they share.
+    same load: K cohorts of N in flight for ``duration_s`` each. The replicas judge with
+    :func:`genrm_trio.tools.bare.canned_judge` (``judge="canned"``: a plugin answering a fixed
+    verdict at once) or the built-in heuristic judge (``judge="builtin"``), both in process, so
+    all three answer every request with one HTTP exchange and the bare app is the limit of the
+    HTTP stack they share; what a replica does beyond it is its own work (decoding, the cohort,
+    parsing verdicts, aggregating, answering).
 
     Metrics: verifies/s of each, ``one_over_bare`` and ``two_over_one``; CPU use (percent of one
     core) of the load generator, the replicas together and HAProxy, per setup.
     """
+    from genrm_trio.tools.bare import CANNED_JUDGE
     from genrm_trio.tools.haproxy import open_haproxy
 
     runs = 0
-    settings = ServerSettings(n=n)
+    replica_cmd = ours_command("", ServerSettings(n=n))
+    if judge == "canned":
+        replica_cmd += ["--set", f"judge.plugin={CANNED_JUDGE}"]
+    elif judge != "builtin":
+        raise ValueError(f"judge must be canned or builtin, got {judge!r}")
 
     async def measure(client: H11Client, pids: Sequence[int], proxy_pid: int | None,
                       bodies: BodyFactory, first: int) -> dict[str, float]:
@@ -1114,12 +1123,17 @@ def scaleout_case(
         out = {
             "verifies_per_s": result.verifies / wall,
             "server_cpu_pct": 100.0 * cpu / wall,
+            # CPU per verify barely depends on how busy the machine is (throughput does).
+            "server_cpu_ms_per_verify": 1000.0 * cpu / max(result.verifies, 1),
+            "loadgen_cpu_ms_per_verify": 1000.0 * (time.process_time() - own_before)
+            / max(result.verifies, 1),
             "loadgen_cpu_pct": 100.0 * (time.process_time() - own_before) / wall,
             "failed_members": float(sum(result.failures.values())),
         }
         if proxy_pid:
-            out["haproxy_cpu_pct"] = 100.0 * (read_proc_stats(proxy_pid).cpu_s
-                                              - proxy_before) / wall
+            proxy_cpu = read_proc_stats(proxy_pid).cpu_s - proxy_before
+            out["haproxy_cpu_pct"] = 100.0 * proxy_cpu / wall
+            out["haproxy_cpu_ms_per_verify"] = 1000.0 * proxy_cpu / max(result.verifies, 1)
         return out
 
     async def answer_bytes(client: H11Client, bodies: BodyFactory, cohort: int) -> float:
@@ -1147,7 +1161,7 @@ def scaleout_case(
                 await client.aclose()
 
     async def one(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
-        async with launch_process(ours_command("", settings), log_path=logs / "scaleout-one.log",
+        async with launch_process(replica_cmd, log_path=logs / "scaleout-one.log",
                                   ready_prefix=_READY_OURS) as proc:
             client = H11Client(*proc.host_port)
             try:
@@ -1161,7 +1175,7 @@ def scaleout_case(
         async with contextlib.AsyncExitStack() as stack:
             procs = [
                 await stack.enter_async_context(launch_process(
-                    ours_command("", settings), log_path=logs / f"scaleout-replica{i}.log",
+                    replica_cmd, log_path=logs / f"scaleout-replica{i}.log",
                     ready_prefix=_READY_OURS))
                 for i in range(1, replicas + 1)
             ]
@@ -1191,13 +1205,16 @@ def scaleout_case(
         metrics["one_over_bare"] = got["one"]["verifies_per_s"] / got["bare"]["verifies_per_s"]
         metrics["two_over_one"] = got["two"]["verifies_per_s"] / got["one"]["verifies_per_s"]
         metrics["two_over_bare"] = got["two"]["verifies_per_s"] / got["bare"]["verifies_per_s"]
+        # What one_over_bare is when both servers are CPU-bound (a core each, idle machine).
+        metrics["one_over_bare_by_cpu"] = (got["bare"]["server_cpu_ms_per_verify"]
+                                           / got["one"]["server_cpu_ms_per_verify"])
         load = os.getloadavg()[0]
         return RunRecord(metrics, notes={"order": [s for s, _ in setups],
                                          "loadavg_1min_before_end": load})
 
-    params = {"n": n, "k": k, "duration_s": duration_s, "replicas": replicas,
-              "judge": "built-in (in process)"}
-    return Case("scaleout", f"n{n}-k{k}-{replicas}replicas", run, params, kinds=("ours",))
+    params = {"n": n, "k": k, "duration_s": duration_s, "replicas": replicas, "judge": judge}
+    return Case("scaleout", f"n{n}-k{k}-{replicas}replicas-{judge}", run, params,
+                kinds=("ours",))
 
 
 # -- presets -----------------------------------------------------------------------------------
@@ -1244,7 +1261,7 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "staggered": lambda: [staggered_case()],
     "steady_state": lambda: [steady_state_case()],
     "admission": lambda: [admission_case(g) for g in (0, 1000, 3000, 5000, 10000)],
-    "scaleout": lambda: [scaleout_case()],
+    "scaleout": lambda: [scaleout_case(judge="canned"), scaleout_case(judge="builtin")],
     "tail": lambda: [
         load_case(
             "tail", "k1-n16-judge50ms", n=16, k=1, judge_ms=50.0, duration_s=120.0, max_cohorts=400
@@ -1399,6 +1416,32 @@ _SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "failed_requests",
         "peak_rss_mb",
     ),
+    "scaleout": (
+        "bare_verifies_per_s",
+        "one_verifies_per_s",
+        "two_verifies_per_s",
+        "one_over_bare",
+        "two_over_one",
+        "one_over_bare_by_cpu",
+        "bare_server_cpu_ms_per_verify",
+        "one_server_cpu_ms_per_verify",
+        "two_server_cpu_ms_per_verify",
+        "two_haproxy_cpu_ms_per_verify",
+        "one_loadgen_cpu_ms_per_verify",
+        "two_loadgen_cpu_ms_per_verify",
+        "bare_server_cpu_pct",
+        "one_server_cpu_pct",
+        "two_server_cpu_pct",
+        "two_haproxy_cpu_pct",
+        "bare_loadgen_cpu_pct",
+        "one_loadgen_cpu_pct",
+        "two_loadgen_cpu_pct",
+        "one_answer_bytes",
+        "bare_answer_bytes",
+        "bare_failed_members",
+        "one_failed_members",
+        "two_failed_members",
+    ),
     "staggered": ("makespan_s", "latency_p50_ms", "latency_p99_ms", "cpu_ms_per_cohort"),
     "steady_state": (
         "fresh_verifies_per_s",
@@ -1439,6 +1482,19 @@ def _goal_rows(results: Sequence[CaseResult]) -> list[tuple[str, str, str]]:
         if _finite(value):
             rows.append((goal, f"{_fmt(value)}{unit}", "met" if ok(value) else "MISSED"))
 
+    so = ("scaleout", "n8-k32-2replicas-canned")
+    add(
+        "2 replicas behind HAProxy >= 1.6x one replica's verifies/s",
+        med(*so, "ours", "two_over_one"),
+        lambda v: v >= 1.6,
+        "x",
+    )
+    add(
+        "one replica >= 80% of the bare Hypercorn app's verifies/s",
+        med(*so, "ours", "one_over_bare"),
+        lambda v: v >= 0.8,
+        "x",
+    )
     t = ("throughput", "n16-k16-judge50ms")
     add(
         "verifies/s at N=16,K=16,judge 50 ms >= 2.0x NeMo",
