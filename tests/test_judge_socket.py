@@ -36,9 +36,11 @@ async def start_stack(nursery: trio.Nursery, settings: MockJudgeSettings,
     state = MockJudgeState()
     judge_url = await nursery.start(functools.partial(run_mock_judge, settings, state=state))
     judge_kw = cfg_kw.pop("judge", {})
+    cfg_kw.setdefault("num_rollouts_per_prompt", N)
+    cfg_kw.setdefault("judge_request_timeout_s", 2.0)
     cfg = Config(
-        num_rollouts_per_prompt=N, port=0, cohort_collection_timeout_s=5.0,
-        cohort_evaluation_timeout_s=EVALUATION_TIMEOUT_S, judge_request_timeout_s=2.0,
+        port=0, cohort_collection_timeout_s=5.0,
+        cohort_evaluation_timeout_s=EVALUATION_TIMEOUT_S,
         genrm_parse_retry_sleep_s=0.01, judge_retry_backoff_max_s=0.02, shutdown_grace_s=1.0,
         judge=JudgeConfig(base_urls=(judge_url,), **judge_kw), **cfg_kw,
     )
@@ -53,8 +55,8 @@ async def server_nursery() -> AsyncIterator[trio.Nursery]:
         nursery.cancel_scope.cancel()
 
 
-async def run_cohort(url: str, group_id: str) -> list[dict[str, Any]]:
-    bodies = [verify_body(0, 0, slot, 0, 0, [group_id]) for slot in range(N)]
+async def run_cohort(url: str, group_id: str, size: int = N) -> list[dict[str, Any]]:
+    bodies = [verify_body(0, 0, slot, 0, 0, [group_id]) for slot in range(size)]
     answers: dict[int, httpx2.Response] = {}
     async with httpx2.AsyncClient(base_url=url, timeout=None) as client:
 
@@ -63,10 +65,10 @@ async def run_cohort(url: str, group_id: str) -> list[dict[str, Any]]:
 
         with trio.fail_after(EVALUATION_TIMEOUT_S + 2.0):
             async with trio.open_nursery() as nursery:
-                for slot in range(N):
+                for slot in range(size):
                     nursery.start_soon(send, slot)
-    assert all(answers[s].status_code == 200 for s in range(N))
-    return [answers[s].json() for s in range(N)]
+    assert all(answers[s].status_code == 200 for s in range(size))
+    return [answers[s].json() for s in range(size)]
 
 
 @pytest.mark.parametrize("api", ["responses", "chat"])
@@ -134,3 +136,39 @@ async def test_defaulted_comparisons_are_counted_in_every_answer(
     assert f'genrm_judge_endpoint_input_tokens_total{{endpoint="{endpoint["url"]}"}} ' \
            f'{float(endpoint["input_tokens"])}' in metrics
     assert "genrm_judge_output_tokens_total" in metrics
+
+
+# -- against a stock OpenAI-compatible server (the mock as llama.cpp's server behaves) -------
+
+
+async def test_genrm_roles_against_a_stock_server_mask_with_the_servers_reason(
+    server_nursery: trio.Nursery,
+) -> None:
+    settings = MockJudgeSettings(roles="standard")
+    stack = await start_stack(server_nursery, settings, judge={"api": "chat"})
+    for out in await run_cohort(stack.url, "roles"):
+        assert out["mask_sample"] is True
+        assert "HTTP 500: bad judge request: Invalid role(s) in messages: response_1, " \
+               "response_2" in out["failure_reason"]
+
+
+@pytest.mark.parametrize(("api", "structured"), [
+    ("chat", "json_object"), ("chat", "json_schema"), ("responses", "json_schema"),
+    ("responses", "none"),
+])
+async def test_plain_prompt_with_a_one_at_a_time_server_rewards_everyone(
+    server_nursery: trio.Nursery, api: str, structured: str,
+) -> None:
+    # The judge serves one call at a time (0.3 s each) and queues the rest; N=4 circular sends
+    # 4 calls at once. Without max_concurrency_per_endpoint the queued ones would outlive the
+    # 0.5 s per-request deadline and mask the cohort.
+    settings = MockJudgeSettings(roles="standard", capacity=1, latency_s=0.3,
+                                 accept_json_schema=(structured != "json_object"))
+    stack = await start_stack(
+        server_nursery, settings, num_rollouts_per_prompt=4, judge_request_timeout_s=0.5,
+        judge={"api": api, "prompt": "plain", "structured_output": structured,
+               "max_concurrency_per_endpoint": 1})
+    outs = await run_cohort(stack.url, f"plain-{api}-{structured}", size=4)
+    assert [out["mask_sample"] for out in outs] == [False] * 4, outs[0].get("failure_reason")
+    assert [out["genrm_defaulted_comparisons"] for out in outs] == [0] * 4
+    assert stack.state.max_in_flight == 1 and stack.state.calls == 4

@@ -181,7 +181,12 @@ async def test_verdict_is_deterministic_across_servers_and_apis(
     [
         (RESPONSES_PATH, b"not json"),
         (RESPONSES_PATH, b'{"input": "q", "metadata": {"response_1": "a"}}'),
-        (CHAT_PATH, b'{"messages": [{"role": "user", "content": "q"}]}'),
+        (CHAT_PATH, b'{"messages": "q"}'),
+        (CHAT_PATH, b'{"messages": [{"role": "response_1", "content": "a"}]}'),
+        (CHAT_PATH, b'{"messages": [], "max_tokens": 0}'),
+        (CHAT_PATH, b'{"messages": [{"role": "user", "content": "q"}], '
+                    b'"response_format": {"type": "json_schema", "json_schema": {"name": "v"}}}'),
+        (RESPONSES_PATH, b'{"input": "q", "text": {"format": {"type": "grammar"}}}'),
     ],
 )
 async def test_malformed_judge_request_is_400_and_counted(
@@ -360,9 +365,12 @@ async def test_content_faults_are_200s_without_a_usable_verdict(
     with pytest.raises(JudgeParseError):
         scoring.parse_judge_output(nonfinite, 3.0, 3.5)
     incomplete = results[Fault.INCOMPLETE]
-    assert incomplete["status"] == "incomplete"
-    if path == CHAT_PATH:
+    if path == CHAT_PATH:  # as a real server says it: finish_reason only, no status field
         assert incomplete["choices"][0]["finish_reason"] == "length"
+        assert "status" not in incomplete
+    else:
+        assert incomplete["status"] == "incomplete"
+        assert incomplete["incomplete_details"] == {"reason": "max_output_tokens"}
     # and the judge is healthy again afterwards
     r = await client.post(url + path, json=body)
     assert r.json().get("status", "completed") == "completed"
@@ -572,3 +580,128 @@ async def test_cli_bad_setting_exits_2_with_one_line(args: list[str], key: str) 
     assert done.stdout == b""
     lines = done.stderr.decode().splitlines()
     assert len(lines) == 1 and f"'{key}'" in lines[0]
+
+
+# -- what a real OpenAI-compatible server does ----------------------------------------------
+
+
+PLAIN_USER = (
+    "Judge.\n\n<conversation>\n[user]\nName the capital of France and one landmark there.\n"
+    f"</conversation>\n\n<response_1>\n{ANSWER_A}\n</response_1>\n\n"
+    f"<response_2>\n{ANSWER_B}\n</response_2>\n\nReply with JSON."
+)
+
+
+def plain_chat(**extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": "You judge."},
+                         {"role": "user", "content": PLAIN_USER}], **extra}
+
+
+def plain_responses(**extra: Any) -> dict[str, Any]:
+    return {"input": [{"role": "system", "content": "You judge.", "type": "message"},
+                      {"role": "user", "content": PLAIN_USER, "type": "message"}], **extra}
+
+
+@pytest.mark.parametrize(("path", "body", "roles"), [
+    (CHAT_PATH, chat_body(principle=PRINCIPLE), "principle, response_1, response_2"),
+    (CHAT_PATH, chat_body(), "response_1, response_2"),
+    (RESPONSES_PATH, responses_body(), "response_1, response_2"),
+])
+async def test_a_standard_server_refuses_genrm_roles_with_an_error_body(
+    nursery: trio.Nursery, client: httpx2.AsyncClient, path: str, body: Any, roles: str
+) -> None:
+    url, _ = await start_judge(nursery, MockJudgeSettings(roles="standard"))
+    r = await client.post(url + path, json=body)
+    assert r.status_code == 500
+    message = r.json()["error"]["message"]
+    assert f"Invalid role(s) in messages: {roles};" in message
+    plain = plain_chat() if path == CHAT_PATH else plain_responses()
+    assert (await client.post(url + path, json=plain)).status_code == 200
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, RESPONSES_PATH])
+async def test_plain_prompts_are_judged_from_their_tagged_answers(
+    nursery: trio.Nursery, client: httpx2.AsyncClient, path: str
+) -> None:
+    url, _ = await start_judge(nursery)
+    body = plain_chat() if path == CHAT_PATH else plain_responses()
+    verdict = scoring.parse_judge_output(
+        answer_text(path, (await client.post(url + path, json=body)).json()), 3.0, 3.5)
+    assert verdict.ranking < 3.5  # the correct answer wins, as with GenRM roles
+    untagged = {"messages": [{"role": "user", "content": "Which is better, A or B?"}]}
+    texts = {answer_text(CHAT_PATH, (await client.post(url + CHAT_PATH, json=untagged)).json())
+             for _ in range(2)}
+    assert len(texts) == 1  # deterministic
+    scoring.parse_judge_output(texts.pop(), 3.0, 3.5)
+
+
+SCHEMA = {"type": "object", "properties": {
+    "score_1": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
+    "score_2": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
+    "ranking": {"type": "integer", "enum": [1, 2, 3, 4, 5, 6]}},
+    "required": ["score_1", "score_2", "ranking"]}
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (CHAT_PATH, plain_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}})),
+    (CHAT_PATH, plain_chat(response_format={"type": "json_object", "schema": SCHEMA})),
+    (CHAT_PATH, chat_body() | {"response_format": {"type": "json_object"}}),
+    (RESPONSES_PATH, plain_responses(text={"format": {
+        "type": "json_schema", "name": "v", "schema": SCHEMA, "strict": True}})),
+    (RESPONSES_PATH, plain_responses(text={"format": {"type": "json_object"}})),
+])
+async def test_structured_output_is_honoured_as_bare_json(
+    nursery: trio.Nursery, client: httpx2.AsyncClient, path: str, body: Any
+) -> None:
+    url, _ = await start_judge(nursery)
+    r = await client.post(url + path, json=body)
+    assert r.status_code == 200
+    text = answer_text(path, r.json())
+    verdict = msgspec.json.decode(text)  # the whole answer is the JSON object
+    assert set(verdict) == {"score_1", "score_2", "ranking"}
+    assert verdict["score_1"] in range(1, 6) and verdict["ranking"] in range(1, 7)
+
+
+async def test_identical_answers_land_on_the_schemas_enum(
+    nursery: trio.Nursery, client: httpx2.AsyncClient
+) -> None:
+    url, _ = await start_judge(nursery)
+    body = chat_body(ANSWER_A, ANSWER_A) | {
+        "response_format": {"type": "json_object", "schema": SCHEMA}}
+    verdict = msgspec.json.decode(answer_text(CHAT_PATH, (await client.post(
+        url + CHAT_PATH, json=body)).json()))
+    assert verdict["ranking"] == 3  # 3.5 is not in the enum: the nearest, ties to the lower
+    free = (await client.post(url + CHAT_PATH, json=chat_body(ANSWER_A, ANSWER_A))).json()
+    assert scoring.parse_judge_output(answer_text(CHAT_PATH, free), 3.0, 3.5).ranking == 3.5
+
+
+async def test_json_schema_refused_like_llama_cpp_python(
+    nursery: trio.Nursery, client: httpx2.AsyncClient
+) -> None:
+    url, _ = await start_judge(nursery, MockJudgeSettings(accept_json_schema=False))
+    r = await client.post(url + CHAT_PATH, json=plain_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}))
+    assert r.status_code == 422
+    ok = await client.post(url + CHAT_PATH, json=plain_chat(
+        response_format={"type": "json_object", "schema": SCHEMA}))
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (CHAT_PATH, chat_body() | {"max_tokens": 3}),
+    (RESPONSES_PATH, responses_body() | {"max_output_tokens": 3}),
+])
+async def test_the_output_budget_cuts_the_answer(
+    nursery: trio.Nursery, client: httpx2.AsyncClient, path: str, body: Any
+) -> None:
+    url, _ = await start_judge(nursery)
+    payload = (await client.post(url + path, json=body)).json()
+    if path == CHAT_PATH:
+        assert payload["choices"][0]["finish_reason"] == "length"
+        assert "status" not in payload
+    else:
+        assert payload["status"] == "incomplete"
+    assert len(answer_text(path, payload)) <= 3 * 4
+    assert payload["usage"]["output_tokens" if path == RESPONSES_PATH
+                            else "completion_tokens"] <= 4

@@ -21,6 +21,7 @@ from ``server`` or ``caller``; it never imports httpx2.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import math
 import random
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import click
 import h11
@@ -119,6 +120,22 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     ``fault_rate > 0`` each call is faulty with that probability instead (``fault`` ``none``
     then means a random mix), ``fault_count`` capping the total. ``seed`` drives jitter and
     random faults. Invalid values raise :class:`ConfigError` naming the key.
+
+    ``roles``: ``genrm`` understands GenRM's ``response_1``/``response_2``/``principle`` chat
+    roles and Responses ``metadata``, as vLLM with a GenRM template does; ``standard`` is a
+    stock server: any other role than ``system``, ``user``, ``assistant``, ``developer`` or
+    ``tool`` (and GenRM ``metadata``) gets HTTP 500 with an error body naming the roles, as
+    llama.cpp's server answers. Either way a request without GenRM roles is a plain prompt: the
+    answers are read from its ``<response_1>``/``<response_2>`` sections (the default plain
+    template), else the verdict is derived from a hash of the prompt. ``accept_json_schema:
+    false`` answers a ``json_schema`` response format with 422, as llama-cpp-python does.
+
+    What a real server also does, always: an answer longer than the request's ``max_tokens`` /
+    ``max_output_tokens`` (estimated at 4 characters a token) is cut there, with
+    ``finish_reason: length`` (chat) or ``status: incomplete`` (responses); a ``response_format``
+    (chat) or ``text.format`` (responses) of type ``json_schema`` or ``json_object`` is checked
+    (400 if malformed) and honoured: the answer is the bare verdict JSON, its values moved onto
+    the schema's ``enum`` when it has one.
     """
 
     host: str = "127.0.0.1"
@@ -132,6 +149,8 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     seed: int = 0
     retry_after_s: float = 1.0
     trickle_interval_s: float = 0.5
+    roles: Literal["genrm", "standard"] = "genrm"
+    accept_json_schema: bool = True
 
     def __post_init__(self) -> None:
         for key in ("latency_s", "latency_jitter_s", "retry_after_s", "trickle_interval_s"):
@@ -286,15 +305,30 @@ class MockJudgeState:
 
 
 class _BadJudgeRequest(Exception):
-    """The judge request body is not what either API expects (answered with 400)."""
+    """The judge request body is not what either API expects (answered with ``status``)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        self.status = status
+        super().__init__(message)
 
 
 class _JudgeInput(msgspec.Struct, frozen=True):
+    """What a judge call asks: the comparison, the model, the output budget (tokens, None:
+    unlimited) and the structured-output format (None: free text)."""
+
     history: list[dict[str, str]]
     response_1: str
     response_2: str
     principle: str | None
     model: str
+    max_tokens: int | None = None
+    output_format: dict[str, Any] | None = None
+    plain_prompt: str | None = None  # a request without GenRM roles: its whole prompt text
+
+
+_STANDARD_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+_GENRM_ROLES = ("principle", "response_1", "response_2")
+_PLAIN_SECTION = re.compile(r"<(response_1|response_2|conversation)>\n?(.*?)\n?</\1>", re.DOTALL)
 
 
 def _text_of(content: Any) -> str:
@@ -315,37 +349,128 @@ def _model_of(body: dict[str, Any]) -> str:
     return model if isinstance(model, str) and model else "mock-genrm"
 
 
-def _responses_input(body: Any) -> _JudgeInput:
+def _max_tokens(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _BadJudgeRequest(f"{key} must be a positive integer")
+    return value
+
+
+def _format_spec(fmt: Any, where: str, settings: MockJudgeSettings) -> dict[str, Any] | None:
+    """Check a structured-output request; return ``{"type": ..., "schema": ...|None}`` or None
+    for free text. ``where`` names the field in errors."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _BadJudgeRequest(f"{where} must be an object with a type")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = fmt.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise _BadJudgeRequest(f"{where}.schema must be an object")
+        return {"type": kind, "schema": schema}
+    if kind == "json_schema":
+        if not settings.accept_json_schema:
+            raise _BadJudgeRequest(
+                f"{where}.type: input should be 'text' or 'json_object'", status=422)
+        # chat nests {name, schema} under json_schema; responses puts them beside type
+        spec = fmt.get("json_schema") if where == "response_format" else fmt
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise _BadJudgeRequest(f"{where} of type json_schema needs a name")
+        if not isinstance(spec.get("schema"), dict):
+            raise _BadJudgeRequest(f"{where} of type json_schema needs a schema object")
+        return {"type": kind, "schema": spec["schema"]}
+    raise _BadJudgeRequest(f"{where}.type {kind!r} is not supported")
+
+
+def _refuse_roles(roles: list[str]) -> None:
+    raise _BadJudgeRequest(
+        f"Invalid role(s) in messages: {', '.join(sorted(set(roles)))}; expected one of "
+        "system, user, assistant, developer, tool", status=500)
+
+
+def _plain_input(messages: list[dict[str, str]], body: dict[str, Any],
+                 max_tokens: int | None, output_format: dict[str, Any] | None) -> _JudgeInput:
+    """A plain prompt: the answers from its tagged sections when it has them."""
+    text = "\n".join(m["content"] for m in messages)
+    sections = {m.group(1): m.group(2) for m in _PLAIN_SECTION.finditer(text)}
+    conversation = sections.get("conversation", text)
+    return _JudgeInput(
+        [{"role": "user", "content": conversation}], sections.get("response_1", ""),
+        sections.get("response_2", ""), None, _model_of(body), max_tokens, output_format,
+        plain_prompt=None if "response_1" in sections and "response_2" in sections else text,
+    )
+
+
+def _responses_input(body: Any, settings: MockJudgeSettings) -> _JudgeInput:
     if not isinstance(body, dict):
         raise _BadJudgeRequest("body must be a JSON object")
+    max_tokens = _max_tokens(body, "max_output_tokens")
+    text_field = body.get("text")
+    if text_field is not None and not isinstance(text_field, dict):
+        raise _BadJudgeRequest("text must be an object")
+    output_format = _format_spec((text_field or {}).get("format"), "text.format", settings)
+    raw_input = body.get("input")
+    items = raw_input if isinstance(raw_input, list) else []
+    roles = [str(i.get("role")) for i in items if isinstance(i, dict) and "role" in i]
     metadata = body.get("metadata")
-    if not isinstance(metadata, dict):
-        raise _BadJudgeRequest("metadata must be an object with response_1 and response_2")
+    genrm = isinstance(metadata, dict) and (
+        "response_1" in metadata or "response_2" in metadata)
+    if settings.roles == "standard":
+        bad = [r for r in roles if r not in _STANDARD_ROLES]
+        if genrm:
+            bad += ["response_1", "response_2"]  # what a model server would turn them into
+        if bad:
+            _refuse_roles(bad)
+    if not genrm:
+        if metadata is not None and not isinstance(metadata, dict):
+            raise _BadJudgeRequest("metadata must be an object")
+        messages = scoring.conversation_history(raw_input)
+        if not messages:
+            raise _BadJudgeRequest("input must hold the prompt's messages")
+        return _plain_input(messages, body, max_tokens, output_format)
+    assert isinstance(metadata, dict)
     r1, r2 = metadata.get("response_1"), metadata.get("response_2")
     if not isinstance(r1, str) or not isinstance(r2, str):
         raise _BadJudgeRequest("metadata.response_1 and metadata.response_2 must be strings")
     principle = metadata.get("principle")
     if principle is not None and not isinstance(principle, str):
         raise _BadJudgeRequest("metadata.principle must be a string")
-    history = scoring.conversation_history(body.get("input"))
-    return _JudgeInput(history, r1, r2, principle, _model_of(body))
+    history = scoring.conversation_history(raw_input)
+    return _JudgeInput(history, r1, r2, principle, _model_of(body), max_tokens, output_format)
 
 
-def _chat_input(body: Any) -> _JudgeInput:
+def _chat_input(body: Any, settings: MockJudgeSettings) -> _JudgeInput:
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         raise _BadJudgeRequest("body must be a JSON object with a messages list")
+    max_tokens = _max_tokens(body, "max_tokens")
+    output_format = _format_spec(body.get("response_format"), "response_format", settings)
     history: list[dict[str, str]] = []
     special: dict[str, str] = {}
+    roles: list[str] = []
     for message in body["messages"]:
         if not isinstance(message, dict):
             raise _BadJudgeRequest("every message must be an object")
         role = message.get("role")
         role = role if isinstance(role, str) else "user"
+        roles.append(role)
         text = _text_of(message.get("content"))
-        if role in ("principle", "response_1", "response_2"):
+        if role in _GENRM_ROLES:
             special[role] = text
         else:
             history.append({"role": role, "content": text})
+    if settings.roles == "standard":
+        bad = [r for r in roles if r not in _STANDARD_ROLES]
+        if bad:
+            _refuse_roles(bad)
+    if not special:
+        if not history:
+            raise _BadJudgeRequest("messages must not be empty")
+        return _plain_input(history, body, max_tokens, output_format)
     if "response_1" not in special or "response_2" not in special:
         raise _BadJudgeRequest("messages need a response_1 and a response_2 role")
     return _JudgeInput(
@@ -354,6 +479,8 @@ def _chat_input(body: Any) -> _JudgeInput:
         special["response_2"],
         special.get("principle"),
         _model_of(body),
+        max_tokens,
+        output_format,
     )
 
 
@@ -370,6 +497,33 @@ _POISON_TEXT = MappingProxyType({
 })
 
 
+def _hash_verdict(text: str) -> scoring.Verdict:
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    return scoring.Verdict(1.0 + digest[0] % 5, 1.0 + digest[1] % 5, 1.0 + digest[2] % 6)
+
+
+def _on_enum(value: float, prop: Any) -> float:
+    """``value`` moved to the nearest member of the property's ``enum`` (ties: the lower)."""
+    enum = prop.get("enum") if isinstance(prop, dict) else None
+    choices = [v for v in enum if isinstance(v, int | float) and not isinstance(v, bool)] \
+        if isinstance(enum, list) else []
+    if not choices or value in choices:
+        return value
+    return float(min(choices, key=lambda c: (abs(c - value), c)))
+
+
+def _structured_text(verdict: scoring.Verdict, output_format: dict[str, Any]) -> str:
+    """The verdict as the bare JSON a constrained decoder would emit."""
+    schema = output_format.get("schema")
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    props = props if isinstance(props, dict) else {}
+    values = {}
+    for key in ("score_1", "score_2", "ranking"):
+        value = _on_enum(getattr(verdict, key), props.get(key))
+        values[key] = int(value) if float(value).is_integer() else value
+    return _json_encode(values).decode()
+
+
 def _answer_text(fault: Fault, judged: _JudgeInput) -> str:
     if fault is Fault.GARBAGE:
         return _GARBAGE_TEXT
@@ -379,13 +533,25 @@ def _answer_text(fault: Fault, judged: _JudgeInput) -> str:
         return _NONFINITE_TEXT
     if fault.value in _POISON_TEXT:
         return _POISON_TEXT[fault.value]
-    text = scoring.heuristic_judge_text(
-        judged.history, judged.response_1, judged.response_2, judged.principle
-    )
+    if judged.plain_prompt is not None:
+        verdict = _hash_verdict(judged.plain_prompt)
+        text = ("```json\n" + _json_encode({"score_1": int(verdict.score_1),
+                "score_2": int(verdict.score_2), "ranking": int(verdict.ranking)}).decode()
+                + "\n```")
+    else:
+        text = scoring.heuristic_judge_text(
+            judged.history, judged.response_1, judged.response_2, judged.principle
+        )
+    if judged.output_format is not None:
+        text = _structured_text(scoring.parse_judge_output(text, 3.0, 3.5), judged.output_format)
     if fault is Fault.INCOMPLETE:
         # Output cut by the token limit: the verdict never closes.
         return text[: max(1, len(text) // 3)]
     return text
+
+
+def _tokens(text: str) -> int:
+    return len(text) // 4 + 1
 
 
 def _answer_body(
@@ -393,9 +559,13 @@ def _answer_body(
 ) -> bytes:
     text = _answer_text(fault, judged)
     incomplete = fault is Fault.INCOMPLETE
+    if judged.max_tokens is not None and _tokens(text) > judged.max_tokens:
+        # The output budget ran out: what fits, and the server says it stopped for length.
+        text = text[: max(0, judged.max_tokens * 4 - 1)]
+        incomplete = True
     status = "incomplete" if incomplete else "completed"
     input_tokens = request_bytes // 4
-    output_tokens = len(text) // 4 + 1
+    output_tokens = _tokens(text)
     now = int(time.time())
     if path == RESPONSES_PATH:
         return _json_encode(responses_object(
@@ -403,14 +573,11 @@ def _answer_body(
             status=status, output=[output_message(f"msg_mock_{call_no:08d}", text, status)],
             input_tokens=input_tokens, output_tokens=output_tokens,
         ))
-    body = chat_completion(
+    return _json_encode(chat_completion(
         ident=f"chatcmpl-mock-{call_no:08d}", model=judged.model, created=now, text=text,
         finish_reason="length" if incomplete else "stop", prompt_tokens=input_tokens,
         completion_tokens=output_tokens,
-    )
-    if incomplete:
-        body["status"] = "incomplete"
-    return _json_encode(body)
+    ))
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -591,11 +758,15 @@ class _Server:
         try:
             decoded = _json_decode(request.body)
             if request.path == RESPONSES_PATH:
-                judged = _responses_input(decoded)
+                judged = _responses_input(decoded, self.settings)
             else:
-                judged = _chat_input(decoded)
-        except (msgspec.DecodeError, _BadJudgeRequest) as exc:
+                judged = _chat_input(decoded, self.settings)
+        except msgspec.DecodeError as exc:
             await self._send(stream, conn, 400, _error_body(400, f"bad judge request: {exc}"))
+            return True
+        except _BadJudgeRequest as exc:
+            await self._send(stream, conn, exc.status,
+                             _error_body(exc.status, f"bad judge request: {exc}"))
             return True
         fault = state.next_fault()
         if self.limiter is None:
