@@ -123,7 +123,7 @@ class CollectOptions(msgspec.Struct, frozen=True, kw_only=True):
     policy_retries: int = 2
     progress_interval_s: float = 10.0
     server_token_env: str | None = None
-    admission_probe_s: float = 0.25
+    admission_probe_s: float = 0.1
     retry_after_cap_s: float = 30.0
     backpressure_give_up_s: float = 900.0
 
@@ -820,7 +820,7 @@ async def collect_main(
 @click.option("--server-token-env", default=None, metavar="ENV",
               help=f"Environment variable holding the server's bearer token (default: "
               f"{DEFAULT_SERVER_TOKEN_ENV}, sent only when set).")
-@click.option("--admission-probe-s", default=0.25, show_default=True, type=float,
+@click.option("--admission-probe-s", default=0.1, show_default=True, type=float,
               help="A group's first member unrefused this long counts as admitted; then the "
               "rest of the group is sent.")
 @click.option("--retry-after-cap-s", default=30.0, show_default=True, type=float,
