@@ -35,6 +35,7 @@ from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import CohortRegistry, Outcome, Rewarded
 from genrm_trio.server.judge import Judge, JudgeRequest
 from genrm_trio.server.prometheus import ServerMetrics
+from genrm_trio.server.shutdown import ShutdownDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -350,12 +351,13 @@ async def _send_json(send: Any, status: int, body: Any,
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry, *,
-                          auth: BearerAuth | None = None,
+def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
+                          shutdown: ShutdownDeadline, *, auth: BearerAuth | None = None,
                           metrics: ServerMetrics | None = None) -> Any:
     """The ASGI application served: ``POST /verify`` goes to :class:`VerifyEndpoint`,
     everything else (other routes, lifespan) to the quart-trio app. With ``auth``, an HTTP
-    request without the bearer token is answered 401 here, before either sees it."""
+    request without the bearer token is answered 401 here, before either sees it. Every send
+    is bounded by ``shutdown_grace_s`` and, once shutdown has begun, by its one deadline."""
     verify = VerifyEndpoint(cfg, registry, metrics)
     grace_s = cfg.shutdown_grace_s
     refused = RateLimitedNote(logger, "request refused: 401 unauthorized", NOTE_INTERVAL_S)
@@ -369,8 +371,9 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
             # Hypercorn closes a `Connection: close` socket inside the app's last send();
             # quart-trio cancels its request nursery as soon as hypercorn reports the stream
             # done, which cancelled that close half-way and left the client hanging. Shield the
-            # send (bounded: answers are small JSON) so the close always completes.
-            with trio.move_on_after(grace_s, shield=True):
+            # send so the close always completes, bounded by the grace and by the shutdown
+            # deadline: one for all sends, not a fresh grace for each.
+            with shutdown.scope(bound_s=grace_s, shield=True):
                 await send(message)
 
         if auth is not None and not auth.allows(scope["path"], scope["headers"]):

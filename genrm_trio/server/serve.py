@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import sys
 from functools import partial
 
 import trio
@@ -30,6 +31,12 @@ from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
 from genrm_trio.server.prometheus import ServerMetrics
+from genrm_trio.server.shutdown import (
+    CLEANUP_S,
+    FORCED_EXIT_S,
+    ShutdownDeadline,
+    abort_client_connections,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +64,21 @@ async def run_server(
     cfg: Config,
     *,
     shutdown: trio.Event | None = None,
+    deadline: ShutdownDeadline | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``cfg`` until ``shutdown`` is set (graceful) or this task is cancelled (abrupt).
 
     Reports the bound base URL (``http://127.0.0.1:PORT``, so port 0 works) through
     ``task_status``. Graceful shutdown answers every waiter with a 503 ``shutdown`` JSON body
-    before connections close, then returns. Raises :class:`~genrm_trio.errors.ConfigError`
-    before binding when ``auth_token_env`` names a variable that is not set.
+    before connections close; at the shutdown deadline (``deadline``, begun when ``shutdown``
+    is set if the caller has not begun it already; by default one of ``shutdown_grace_s``)
+    every client connection still open is aborted, so this returns shortly after it whatever
+    the clients do. Raises :class:`~genrm_trio.errors.ConfigError` before binding when
+    ``auth_token_env`` names a variable that is not set.
     """
     stop = shutdown if shutdown is not None else trio.Event()
+    drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
@@ -80,7 +92,7 @@ async def run_server(
             trio.open_nursery() as root,
         ):
             metrics.read_from(registry, judge)
-            await _serve_in(cfg, judge, registry, root, stop, auth, metrics, task_status)
+            await _serve_in(cfg, judge, registry, root, stop, drain, auth, metrics, task_status)
     finally:
         if journal is not None:
             journal.close()
@@ -88,31 +100,39 @@ async def run_server(
 
 async def _serve_in(
     cfg: Config, judge: Judge, registry: CohortRegistry, root: trio.Nursery, stop: trio.Event,
-    auth: BearerAuth | None, metrics: ServerMetrics, task_status: trio.TaskStatus[str],
+    drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
+    task_status: trio.TaskStatus[str],
 ) -> None:
     """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``."""
     app = create_app(cfg, registry, judge, metrics)
 
-    @app.after_serving
-    async def _lifespan_end() -> None:
+    def begin_shutdown() -> None:
+        drain.begin()
         registry.begin_shutdown()
 
+    @app.after_serving
+    async def _lifespan_end() -> None:
+        begin_shutdown()
+
     async def shutdown_trigger() -> None:
+        # Hypercorn then stops accepting and moves its connections' deadline to now + grace:
+        # the same moment as `drain.deadline`, give or take this task's wake-up.
         await stop.wait()
-        registry.begin_shutdown()
+        begin_shutdown()
 
     async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(
-            with_verify_fast_path(app, cfg, registry, auth=auth, metrics=metrics),
+            with_verify_fast_path(app, cfg, registry, drain, auth=auth, metrics=metrics),
             _hypercorn_config(cfg),
             shutdown_trigger=shutdown_trigger,
             task_status=task_status,
         )
-        registry.begin_shutdown()
+        begin_shutdown()
         root.cancel_scope.cancel()
 
     binds: list[str] = await root.start(hypercorn_task)
     url = binds[0]
+    root.start_soon(_abort_connections_at_deadline, drain, int(url.rsplit(":", 1)[1]))
     logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
                 cfg.num_rollouts_per_prompt)
     if auth is not None:  # the variable's name only, never its value
@@ -121,31 +141,71 @@ async def _serve_in(
     task_status.started(url)
 
 
+async def _abort_connections_at_deadline(drain: ShutdownDeadline, port: int) -> None:
+    """At the shutdown deadline, abort every client connection still open. Hypercorn cancels
+    its connection tasks then too, but a task writing a response to a client that stopped
+    reading sits in Hypercorn's own unbounded shield, out of reach of any cancellation: only a
+    broken socket ends it. Cancelled with ``root`` when Hypercorn ends before the deadline."""
+    with drain.scope():  # no bound of its own: ends at the deadline
+        await trio.sleep_forever()
+    aborted = abort_client_connections(port)
+    if aborted:
+        logger.warning("shutdown grace of %g s over: %d client connections still open aborted",
+                       drain.grace_s, aborted)
+
+
+async def _cancel_after_cleanup(drain: ShutdownDeadline, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` (the server) ``CLEANUP_S`` after the deadline: the backstop for
+    anything unshielded still running then."""
+    with drain.scope(after_s=CLEANUP_S):
+        await trio.sleep_forever()
+    scope.cancel()
+
+
+async def _exit_if_overrun(drain: ShutdownDeadline, received: list[int]) -> None:
+    """The last resort of ``genrm-trio serve``: if the process is still shutting down
+    ``FORCED_EXIT_S`` after the deadline (something ignored its cancellation), log it and exit
+    at once, with the code a clean stop would have had (0 after SIGTERM, the CLI's 130 after
+    SIGINT). Only the CLI process arms this; a server run in-process never exits its host."""
+    with drain.scope(after_s=FORCED_EXIT_S):
+        await trio.sleep_forever()
+    logger.error("shutdown still not over %.2f s after its deadline: exiting now", FORCED_EXIT_S)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(130 if received[:1] == [signal.SIGINT] else 0)
+
+
 async def serve_main(cfg: Config) -> int | None:
-    """``genrm-trio serve``: run until SIGINT/SIGTERM, then shut down gracefully within
-    ``shutdown_grace_s`` (a second signal cancels at once). Prints one ``listening on`` line
-    once bound. Returns the first signal's number (None if the server stopped by itself)."""
+    """``genrm-trio serve``: run until SIGINT/SIGTERM, then shut down gracefully; the process
+    ends within ``shutdown_grace_s`` plus well under a second whatever clients and judges do
+    (a second signal ends the grace at once). Prints one ``listening on`` line once bound.
+    Returns the first signal's number (None if the server stopped by itself).
+
+    One :class:`ShutdownDeadline`, begun at the first signal, is shared by everything: the
+    server's sends and its connection abort at the deadline, the cancellation of whatever is
+    left ``CLEANUP_S`` later, and the forced exit ``FORCED_EXIT_S`` after it."""
     stop = trio.Event()
     received: list[int] = []
+    drain = ShutdownDeadline(cfg.shutdown_grace_s)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as outer:
+            outer.start_soon(_exit_if_overrun, drain, received)
             async with trio.open_nursery() as server:
 
                 async def watch_signals() -> None:
                     async for signum in signals:
                         if stop.is_set():
+                            drain.expire_now()
                             server.cancel_scope.cancel()
                             continue
                         logger.info("%s received: shutting down", signal.Signals(signum).name)
                         received.append(signum)
+                        drain.begin()
                         stop.set()
-                        # Hypercorn's grace bounds the drain; this is the backstop.
-                        server.cancel_scope.deadline = (
-                            trio.current_time() + cfg.shutdown_grace_s + 1.0
-                        )
 
                 outer.start_soon(watch_signals)
-                url = await server.start(partial(run_server, cfg, shutdown=stop))
+                outer.start_soon(_cancel_after_cleanup, drain, server.cancel_scope)
+                url = await server.start(partial(run_server, cfg, shutdown=stop, deadline=drain))
                 print(f"genrm-trio serve listening on {url}", flush=True)
                 # What exists now lives as long as the process: keep it out of the
                 # collector's full passes so they stay short under load.

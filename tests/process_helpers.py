@@ -1,0 +1,117 @@
+"""Real-process helpers: start ``genrm-trio serve`` as a subprocess on 127.0.0.1 port 0, talk to
+it over raw sockets, stop it by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import h11
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def raise_fd_limit(needed: int) -> None:
+    """Raise this process's soft open-files limit to ``needed`` (capped by the hard limit);
+    child processes inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:]
+
+
+class ServeProcess:
+    """A running ``genrm-trio serve`` child: its process, base URL, host, port and log file."""
+
+    def __init__(self, proc: trio.Process, url: str, log_path: Path) -> None:
+        self.proc = proc
+        self.url = url
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host = host
+        self.port = int(port)
+        self.log_path = log_path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return _tail(self.log_path, chars)
+
+
+@asynccontextmanager
+async def serve_process(
+    settings: list[str], log_path: Path, *, judge_urls: tuple[str, ...] = (),
+) -> AsyncIterator[ServeProcess]:
+    """Start ``genrm-trio serve --port 0`` with ``--set`` items ``settings``; yield once it
+    prints its ``listening on`` line. On exit the process is killed (SIGKILL) by PID if it is
+    still running: the test decides how it should end."""
+    args = [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0"]
+    for item in settings:
+        args += ["--set", item]
+    for url in judge_urls:
+        args += ["--judge-url", url]
+    with log_path.open("ab") as log_file:  # noqa: ASYNC230 - before any task runs
+        proc = await trio.lowlevel.open_process(
+            args, stdout=subprocess.PIPE, stderr=log_file, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    assert proc.stdout is not None
+    try:
+        with trio.fail_after(30):
+            seen = b""
+            while b"listening on http://" not in seen or not seen.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(4096)
+                assert chunk, f"serve exited early: {_tail(log_path)}"
+                seen += chunk
+        url = seen.decode().split("listening on ", 1)[1].split()[0]
+        yield ServeProcess(proc, url, log_path)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+        await proc.stdout.aclose()
+
+
+async def http_call(
+    host: str, port: int, method: str, path: str, body: bytes = b"",
+) -> tuple[int, dict[str, str], bytes]:
+    """One request on a fresh connection (raw h11): status, headers, body. Status 0 when the
+    server closed the connection without an answer."""
+    conn = h11.Connection(h11.CLIENT)
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        headers = [("Host", host), ("Content-Length", str(len(body))),
+                   ("Content-Type", "application/json"), ("Connection", "close")]
+        await stream.send_all(conn.send(h11.Request(method=method, target=path, headers=headers))
+                              + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        status, answer_headers, raw = 0, {}, b""
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return 0, {}, b""
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                answer_headers = {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                raw += event.data
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                return status, answer_headers, raw
+
+
+async def get_json(host: str, port: int, path: str) -> Any:
+    status, _, raw = await http_call(host, port, "GET", path)
+    assert status == 200, (status, raw[:500])
+    return json.loads(raw)
