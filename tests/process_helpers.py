@@ -50,20 +50,24 @@ class ServeProcess:
 @asynccontextmanager
 async def serve_process(
     settings: list[str], log_path: Path, *, judge_urls: tuple[str, ...] = (),
+    python_path: tuple[Path, ...] = (),
 ) -> AsyncIterator[ServeProcess]:
     """Start ``genrm-trio serve --port 0`` with ``--set`` items ``settings``; yield once it
-    prints its ``listening on`` line. On exit the process is killed (SIGKILL) by PID if it is
-    still running: the test decides how it should end."""
+    prints its ``listening on`` line. ``python_path`` is put in front of ``PYTHONPATH`` (for a
+    judge plugin module). On exit the process is killed (SIGKILL) by PID if it is still
+    running: the test decides how it should end."""
     args = [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0"]
     for item in settings:
         args += ["--set", item]
     for url in judge_urls:
         args += ["--judge-url", url]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if python_path:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*map(str, python_path), *filter(None, [env.get("PYTHONPATH")])])
     with log_path.open("ab") as log_file:  # noqa: ASYNC230 - before any task runs
         proc = await trio.lowlevel.open_process(
-            args, stdout=subprocess.PIPE, stderr=log_file, cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+            args, stdout=subprocess.PIPE, stderr=log_file, cwd=REPO, env=env)
     assert proc.stdout is not None
     try:
         with trio.fail_after(30):

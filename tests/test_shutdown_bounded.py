@@ -147,3 +147,53 @@ async def test_sigterm_with_stalled_clients_and_a_hung_judge_exits_within_grace(
     # last-resort forced exit.
     assert f"{BIG_REPLAYS} client connections still open aborted" in log_tail, log_tail
     assert "exiting now" not in log_tail, log_tail
+
+
+_STUBBORN_PLUGIN = '''
+import trio
+
+async def judge(payload):
+    """A judge that ignores cancellation: nothing but the process exit ends it."""
+    with trio.CancelScope(shield=True):
+        await trio.sleep_forever()
+'''
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM semantics")
+async def test_a_judge_that_ignores_cancellation_cannot_hold_the_process(tmp_path: Path) -> None:
+    """The last resort: a judge plugin that shields itself from every cancellation keeps its
+    cohort task alive past the deadline; the process still exits 0 on time, says why in its
+    log, and every waiter got its 503 ``shutdown`` answer first."""
+    (tmp_path / "stubborn_judge.py").write_text(_STUBBORN_PLUGIN)
+    settings = ["num_rollouts_per_prompt=2", "judge.plugin=stubborn_judge:judge",
+                f"shutdown_grace_s={GRACE_S}", "log_level=WARNING"]
+    answers: list[int] = []
+    async with serve_process(settings, tmp_path / "serve.log",
+                             python_path=(tmp_path,)) as server:
+
+        async def member(slot: int) -> None:
+            status, _, raw = await http_call(server.host, server.port, "POST", "/verify",
+                                             _member("stubborn", slot, f"answer {slot}"))
+            answers.append(status)
+            assert json.loads(raw)["failure_kind"] == "shutdown"
+
+        async with trio.open_nursery() as nursery:
+            for slot in (0, 1):
+                nursery.start_soon(member, slot)
+            with trio.fail_after(30):
+                while True:  # real process: poll until the cohort is being judged
+                    snapshot = await get_json(server.host, server.port, "/status")
+                    if snapshot["cohorts"]["evaluating"] == 1:
+                        break
+                    await trio.sleep(0.05)
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(GRACE_S + 20):
+            await server.proc.wait()
+        elapsed = time.monotonic() - signalled
+        code = server.proc.returncode
+        log_tail = server.log_tail()
+    assert answers == [503, 503]
+    assert code == 0, f"exit {code} after {elapsed:.1f} s:\n{log_tail}"
+    assert elapsed < GRACE_S + 1.0, f"exit took {elapsed:.2f} s:\n{log_tail}"
+    assert "shutdown still not over" in log_tail, log_tail
