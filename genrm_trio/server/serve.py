@@ -5,10 +5,12 @@ own nursery, where every cohort task lives), then the root nursery that runs Hyp
 failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is
 one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
 waiter answers its 503), Hypercorn stops accepting and gives open connections ``shutdown_grace_s``
-to finish, then the root nursery is cancelled. :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's
-programmatic ``serve`` installs no signal handlers): both shut down gracefully; it returns which
-one arrived, so the CLI can exit 0 on SIGTERM (the orchestrator's normal stop) and 130 on SIGINT
-(Ctrl-C, the shell's convention)."""
+to finish, then the root nursery is cancelled. One deadline (:class:`ShutdownDeadline`, fixed when
+shutdown begins) bounds every send and cleanup; connections still open at it are aborted at the
+socket level (server/shutdown.py says why), so the process ends on time whatever clients do.
+:func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's programmatic ``serve`` installs no signal
+handlers): both shut down gracefully; it returns which one arrived, so the CLI can exit 0 on
+SIGTERM (the orchestrator's normal stop) and 130 on SIGINT (Ctrl-C, the shell's convention)."""
 
 from __future__ import annotations
 
