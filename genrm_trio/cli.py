@@ -158,8 +158,30 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
             click.echo(f"genrm-trio: invalid configuration: config key 'state_dir': {exc}",
                        err=True)
             sys.exit(2)
-    if trio.run(serve_main, cfg) == signal.SIGINT:
+    try:
+        received = trio.run(serve_main, cfg)
+    except BaseException as exc:
+        # A problem only the server's start can find (a judge api key variable that is not
+        # set, a plugin that cannot be imported) arrives inside trio's exception groups.
+        found = _config_error(exc)
+        if found is None:
+            raise
+        click.echo(f"genrm-trio: invalid configuration: {found}", err=True)
+        sys.exit(2)
+    if received == signal.SIGINT:
         exit_interrupted()
+
+
+def _config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError ``exc`` is or holds (through exception groups), if any."""
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _config_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

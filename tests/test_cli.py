@@ -116,3 +116,18 @@ def test_collect_exits_130_with_one_line_on_ctrl_c(tmp_path: Path) -> None:
     assert "Traceback" not in err and "Aborted" not in err
     assert err.strip().splitlines()[-1] == "genrm-trio: interrupted"
     assert err.count("genrm-trio: interrupted") == 1
+
+
+@pytest.mark.parametrize(("setting", "key"), [
+    ("judge.api_key_env=GENRM_TEST_UNSET_JUDGE_KEY", "judge.api_key_env"),
+    ("judge.plugin=no_such_module_here:judge", "judge.plugin"),
+])
+def test_start_time_configuration_errors_exit_2_with_one_line(setting: str, key: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GENRM_TEST_UNSET_JUDGE_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0", "--set", setting,
+         "--set", 'judge.base_urls=["http://127.0.0.1:9"]'],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], result.stderr
