@@ -8,12 +8,14 @@ JSON and markdown outputs are written.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from genrm_trio.tools import bench
 from genrm_trio.tools.loadgen import BodyFactory, percentile
+from genrm_trio.tools.soak import SoakSample, hostile_requests, soak_case, soak_checks
 
 
 async def test_smoke_preset_runs_against_our_server(tmp_path: Path) -> None:
@@ -68,3 +70,73 @@ def test_summary_ratios_are_per_pair_medians() -> None:
     assert result.pair_ratios["verifies_per_s"] == [2.0, 3.0]
     assert result.median_ratio["verifies_per_s"] == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
+
+
+async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> None:
+    """A few seconds of the soak against a real server: every kind of traffic is sent and
+    classified, nothing unexpected comes back, and the resource series are sampled."""
+    case = soak_case(duration_s=3.0, capacity_s=1.0, capacity_k=16, sample_s=0.2,
+                     rss_tolerance_mb=64.0)
+    record = await case.run(bench.BenchContext(tmp_path, None), "ours", "soak-smoke")
+    notes = record.notes
+    assert notes["failed_checks"] == [], notes
+    assert record.metrics["unexpected"] == 0 and notes["unexpected_examples"] == []
+    answers: dict[str, int] = notes["answers"]
+    assert answers.get("normal 200 reward", 0) > 0, answers
+    hostile = {key.split()[1] for key in answers if key.startswith("hostile ")}
+    assert len(hostile) >= 5, answers
+    assert all(key.split()[-1] in {"400", "405", "413", "415", "422"}
+               for key in answers if key.startswith("hostile "))
+    assert record.metrics["capacity_verifies_per_s"] > 0
+    assert record.metrics["requests"] > 0
+    assert len(record.samples["rss_mb"]) >= 5
+    assert record.samples["rss_mb"][0] > 1 and record.samples["fds"][0] > 3
+    for name in ("rss_start_mb", "rss_mid_mb", "rss_end_mb", "rss_slope_mb_per_min",
+                 "fds_start", "fds_mid", "fds_end", "fds_slope_per_min"):
+        assert name in record.metrics, name
+    assert notes["leftover"] == {"active cohorts": 0, "waiters": 0}
+
+
+def _samples(rss_mb: list[float], fds: list[int]) -> list[SoakSample]:
+    return [SoakSample(float(i), int(r * 2**20), f) for i, (r, f) in enumerate(zip(rss_mb, fds,
+                                                                                 strict=True))]
+
+
+def test_soak_checks_fail_on_growth_unexpected_answers_and_leftovers() -> None:
+    kwargs: dict[str, Any] = {"warm_fraction": 0.2, "rss_tolerance_mb": 16.0,
+                              "rss_tolerance_fraction": 0.1, "fd_tolerance": 64}
+    idle = {"active cohorts": 0, "waiters": 0}
+    flat = _samples([200.0 + (i % 3) for i in range(50)], [300 + (i % 7) for i in range(50)])
+    figures, failed = soak_checks(flat, unexpected=0, leftover=idle, **kwargs)
+    assert failed == []
+    assert figures["rss_start_mb"] == pytest.approx(flat[10].rss_bytes / 2**20)
+    assert abs(figures["rss_slope_mb_per_min"]) < 5
+
+    # Before the window (the warm-up) growth is allowed; inside it, 21 MB > 10 % of 200 MB.
+    growing = _samples([100.0] * 10 + [200.0 + i * 0.55 for i in range(40)], [300] * 50)
+    _, failed = soak_checks(growing, unexpected=0, leftover=idle, **kwargs)
+    assert len(failed) == 1 and failed[0].startswith("RSS grew"), failed
+    leaking = _samples([200.0] * 50, [300 + 2 * i for i in range(50)])
+    _, failed = soak_checks(leaking, unexpected=0, leftover=idle, **kwargs)
+    assert len(failed) == 1 and failed[0].startswith("open descriptors grew"), failed
+    _, failed = soak_checks(flat, unexpected=3, leftover={"active cohorts": 1, "waiters": 0},
+                            **kwargs)
+    assert failed == ["3 unexpected answers (see notes.unexpected_examples)",
+                      "1 active cohorts left once the load stopped"]
+
+
+def test_soak_preset_gates_and_takes_a_duration() -> None:
+    (case,) = bench.PRESETS["soak"]()
+    assert case.params["duration_s"] == 600.0 and case.kinds == ("ours",)
+    assert case.resize is not None and case.resize(42.0).params["duration_s"] == 42.0
+    ok = bench.RunRecord({}, notes={"failed_checks": []})
+    bad = bench.RunRecord({}, notes={"failed_checks": ["RSS grew 40.0 MB"]})
+    broken = bench.RunRecord({}, notes={"error": "RuntimeError: boom"})
+    results = [
+        bench.CaseResult("soak", "a", {"gate": True}, {"ours": [ok, bad, broken]}),
+        bench.CaseResult("throughput", "b", {}, {"ours": [bad]}),  # not gating
+    ]
+    assert bench.gate_failures(results) == ["soak/a ours: RSS grew 40.0 MB",
+                                           "soak/a ours: RuntimeError: boom"]
+    assert bench.gate_failures(results[:1][:0]) == []
+    assert len(hostile_requests(8, 128)) >= 15

@@ -224,6 +224,8 @@ class ServerSettings:
     collection_timeout_s: float = 1800.0
     result_ttl_s: float | None = 3600.0
     max_terminal_cohorts: int = 4096
+    ours_extra: tuple[tuple[str, str], ...] = ()
+    """More ``--set KEY=VALUE`` items for our server only (NeMo Gym has no such keys)."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +341,7 @@ def ours_command(judge_url: str, server: ServerSettings) -> list[str]:
         "cohort_result_ttl_s": ttl,
         "judge_max_concurrency": "4096",
         "log_level": "WARNING",
+        **dict(server.ours_extra),
     }
     cmd = [*base, "serve", "--host", "127.0.0.1", "--port", "0"]
     if judge_url:
@@ -469,6 +472,9 @@ class Case:
     params: dict[str, Any] = field(default_factory=dict)
     kinds: tuple[str, ...] = KINDS
     """The servers the case compares; a case that measures only ours has ``("ours",)``."""
+    resize: Callable[[float], Case] | None = None
+    """For a case whose length is a parameter: the same case lasting that many seconds
+    (``--duration-s``)."""
 
 
 def _ms(seconds: float) -> float:
@@ -1239,6 +1245,12 @@ def scaleout_case(
 # -- presets -----------------------------------------------------------------------------------
 
 
+def _soak_case() -> Case:
+    from genrm_trio.tools.soak import soak_case  # soak builds on this module
+
+    return soak_case()
+
+
 def _throughput_cases() -> list[Case]:
     return [
         load_case(
@@ -1286,6 +1298,7 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
             "tail", "k1-n16-judge50ms", n=16, k=1, judge_ms=50.0, duration_s=120.0, max_cohorts=400
         ),
     ],
+    "soak": lambda: [_soak_case()],
 })
 """Preset name -> its cases. ``all`` runs every preset but ``smoke``, in this order."""
 
@@ -1340,6 +1353,7 @@ async def run_bench(
     repeats: int = 2,
     nemo_venv: Path | None = None,
     echo: Callable[[str], None] = print,
+    duration_s: float | None = None,
 ) -> list[CaseResult]:
     """Run the presets' cases, alternating the servers A B A B ``repeats`` times per case, and
     write ``results.json``, ``summary.md`` and the plots into ``out_dir``.
@@ -1350,6 +1364,8 @@ async def run_bench(
     """
     names = [p for p in PRESETS if p != "smoke"] if list(presets) == ["all"] else list(presets)
     cases = [case for name in names for case in PRESETS[name]()]
+    if duration_s is not None:
+        cases = [case.resize(duration_s) if case.resize else case for case in cases]
     await trio.to_thread.run_sync(functools.partial(out_dir.mkdir, parents=True, exist_ok=True))
     skip_nemo: str | None = None
     nemo_dir: Path | None = None
@@ -1388,6 +1404,24 @@ async def run_bench(
         results.append(result)
         await trio.to_thread.run_sync(write_outputs, results, out_dir)
     return results
+
+
+def gate_failures(results: Sequence[CaseResult]) -> list[str]:
+    """One line per failed check (or error) of a gating case's runs; empty when all passed.
+
+    A case gates when its params say ``gate: True`` (the soak): a run with ``failed_checks``
+    in its notes, or one that raised, then makes ``genrm-trio bench`` exit 1."""
+    out: list[str] = []
+    for result in results:
+        if not result.params.get("gate"):
+            continue
+        for kind, runs in result.runs.items():
+            for run in runs:
+                name = f"{result.preset}/{result.label} {kind}"
+                if "error" in run.notes:
+                    out.append(f"{name}: {run.notes['error']}")
+                out.extend(f"{name}: {check}" for check in run.notes.get("failed_checks", []))
+    return out
 
 
 def _describe(exc: BaseException) -> str:
@@ -1777,6 +1811,12 @@ def _default_out_dir() -> Path:
     help="Results folder (default bench/results).",
 )
 @click.option(
+    "--duration-s",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="Length of the cases that take one (the soak: default 600 s).",
+)
+@click.option(
     "--nemo-venv",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -1787,12 +1827,14 @@ def bench_cli(
     repeats: int,
     servers: str,
     out_dir: Path | None,
+    duration_s: float | None,
     nemo_venv: Path | None,
 ) -> None:
     """Benchmark genrm-trio side by side with NeMo Gym's genrm_compare on this machine.
 
     Writes results.json, summary.md and PNG plots into the results folder and prints the table.
-    Unknown preset: exit 2.
+    Unknown preset: exit 2. A gating case (the soak) that failed a check or could not run: exit
+    1 after the table.
     """
     for p in presets:
         if p != "all" and p not in PRESETS:
@@ -1808,10 +1850,16 @@ def bench_cli(
             repeats=repeats,
             nemo_venv=nemo_venv,
             echo=lambda s: click.echo(s, err=True),
+            duration_s=duration_s,
         )
     )
     click.echo(render_markdown(results))
     click.echo(f"results in {out}", err=True)
+    failed = gate_failures(results)
+    for line in failed:
+        click.echo(f"FAILED {line}", err=True)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,499 @@
+"""The ``soak`` bench preset: a long run at about half the server's capacity with judge faults,
+client disconnects and hostile bodies, watching the server's memory and file descriptors.
+
+::
+
+    soak_case(...).run                          one rig: mock judge process, genrm-trio serve
+      +-- capacity: closed-loop load              verifies/s with K cohorts in flight
+      +-- mock judge fault plan                   a random mix of faults on fault_rate of calls
+      +-- nursery for duration_s
+            +-- sampler                           RSS (/proc/PID/status), open fds (/proc/PID/fd)
+            +-- cohort arrivals (open loop)       normal | disconnect_retry | abandoned
+            +-- hostile arrivals (open loop)      malformed, oversized, wrongly typed bodies ...
+      +-- drain, idle, /status, verdict
+
+Each request is classified by what it was and what came back. Expected: ``normal`` and
+``disconnect_retry`` members get 200 (a reward, or the masked ``judge_failed`` answer when the
+judge's faults exhaust a comparison's retries); the members that waited in an ``abandoned``
+cohort (one member never sent) get 503 ``cohort_incomplete``; ``hostile`` requests get
+400/405/413/415/422 with a JSON ``detail``. Anything else (a 5xx outside that, a transport error
+on a request that did not hang up on purpose, a 4xx to a well-formed member) is unexpected.
+
+The run fails (``failed_checks`` in its notes: ``genrm-trio bench`` exits 1) on any unexpected
+answer, on RSS growth over the measured window beyond ``max(rss_tolerance_fraction x RSS at the
+window's start, rss_tolerance_mb)``, on open-descriptor growth (median of the window's last
+tenth minus median of its first tenth) beyond ``fd_tolerance``, or on a cohort or waiter left
+behind once the load has stopped. The window starts after ``warm_fraction`` of the run: records
+and the judge connection pool fill up to their caps first, which is growth by design.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+import msgspec
+import trio
+
+from genrm_trio.tools import loadgen
+from genrm_trio.tools.bench import (
+    BenchContext,
+    Case,
+    JudgeSettings,
+    Rig,
+    RunRecord,
+    ServerSettings,
+    _rig,
+)
+from genrm_trio.tools.loadgen import BodyFactory, LoadPlan, percentile
+
+__all__ = ["SoakSample", "hostile_requests", "soak_case", "soak_checks"]
+
+_encode = msgspec.json.Encoder().encode
+_HOSTILE_OK = frozenset({400, 405, 413, 415, 422})
+_MAX_REQUEST_BYTES = 1024 * 1024
+_COLLECTION_TIMEOUT_S = 5.0
+_EXAMPLES = 20
+
+
+@dataclass(frozen=True)
+class SoakSample:
+    """One sample of the server process: seconds since the soak started, RSS bytes, open fds."""
+
+    t_s: float
+    rss_bytes: int
+    fds: int
+
+
+def _window(samples: Sequence[SoakSample], warm_fraction: float) -> list[SoakSample]:
+    if not samples:
+        return []
+    start = samples[0].t_s + warm_fraction * (samples[-1].t_s - samples[0].t_s)
+    return [s for s in samples if s.t_s >= start]
+
+
+def _slope_per_min(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) points, per minute; NaN for fewer than two."""
+    if len(points) < 2:
+        return math.nan
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return math.nan
+    return 60.0 * sum((t - mean_t) * (v - mean_v) for t, v in points) / var
+
+
+def soak_checks(
+    samples: Sequence[SoakSample],
+    *,
+    unexpected: int,
+    leftover: dict[str, int],
+    warm_fraction: float,
+    rss_tolerance_mb: float,
+    rss_tolerance_fraction: float,
+    fd_tolerance: int,
+) -> tuple[dict[str, float], list[str]]:
+    """The soak's resource figures and its failed checks (empty: passed). Pure."""
+    window = _window(samples, warm_fraction)
+    failed: list[str] = []
+    figures: dict[str, float] = {}
+    if unexpected:
+        failed.append(f"{unexpected} unexpected answers (see notes.unexpected_examples)")
+    for name, count in leftover.items():
+        if count:
+            failed.append(f"{count} {name} left once the load stopped")
+    if len(window) < 2:
+        failed.append("fewer than two samples in the measured window")
+        return figures, failed
+    mid = window[len(window) // 2]
+    first, last = window[0], window[-1]
+    mb = 2**20
+    figures.update({
+        "rss_start_mb": first.rss_bytes / mb,
+        "rss_mid_mb": mid.rss_bytes / mb,
+        "rss_end_mb": last.rss_bytes / mb,
+        "rss_max_mb": max(s.rss_bytes for s in window) / mb,
+        "rss_slope_mb_per_min": _slope_per_min([(s.t_s, s.rss_bytes / mb) for s in window]),
+        "fds_start": float(first.fds),
+        "fds_mid": float(mid.fds),
+        "fds_end": float(last.fds),
+        "fds_max": float(max(s.fds for s in window)),
+        "fds_slope_per_min": _slope_per_min([(s.t_s, float(s.fds)) for s in window]),
+        "window_s": last.t_s - first.t_s,
+    })
+    rss_allowed = max(rss_tolerance_fraction * first.rss_bytes / mb, rss_tolerance_mb)
+    rss_growth = (last.rss_bytes - first.rss_bytes) / mb
+    figures["rss_growth_mb"] = rss_growth
+    figures["rss_allowed_growth_mb"] = rss_allowed
+    if rss_growth > rss_allowed:
+        failed.append(f"RSS grew {rss_growth:.1f} MB over the window (allowed {rss_allowed:.1f})")
+    tenth = max(1, len(window) // 10)
+    fds_growth = (percentile([float(s.fds) for s in window[-tenth:]], 0.5)
+                  - percentile([float(s.fds) for s in window[:tenth]], 0.5))
+    figures["fds_growth"] = fds_growth
+    if fds_growth > fd_tolerance:
+        failed.append(f"open descriptors grew by {fds_growth:.0f} (allowed {fd_tolerance})")
+    return figures, failed
+
+
+def hostile_requests(n: int, max_compare_responses: int) -> list[tuple[str, bytes]]:
+    """Hostile raw HTTP requests, each a ``(name, bytes)`` pair; ``n`` is the cohort size the
+    server expects (for an out-of-range slot). Every one must be refused with a 4xx naming the
+    problem and change nothing. Pure."""
+    member = {
+        "responses_create_params": {"input": "hostile prompt"},
+        "response": {"output": [{"type": "message", "content": [
+            {"type": "output_text", "text": "hostile answer"}]}]},
+        "_ng_group_id": "hostile", "_ng_group_attempt": 0, "_ng_rollout_index": 0,
+    }
+
+    def with_(**changes: Any) -> bytes:
+        return _encode({**member, **changes})
+
+    def request(method: str, path: str, body: bytes, *, content_type: str = "application/json",
+                length: int | None = None) -> bytes:
+        size = len(body) if length is None else length
+        return (f"{method} {path} HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n"
+                f"Content-Type: {content_type}\r\nContent-Length: {size}\r\n\r\n").encode() + body
+
+    deep = b"[" * 5000 + b"]" * 5000
+    return [
+        ("malformed_json", request("POST", "/verify", b'{"responses_create_params": {')),
+        ("not_an_object", request("POST", "/verify", b"[1, 2, 3]")),
+        ("wrong_types", request("POST", "/verify", _encode(
+            {"responses_create_params": "x", "response": 5}))),
+        ("slot_out_of_range", request("POST", "/verify", with_(_ng_rollout_index=n))),
+        ("negative_attempt", request("POST", "/verify", with_(_ng_group_attempt=-1))),
+        ("attempt_beyond_int64", request("POST", "/verify", with_(_ng_group_attempt=2**70))),
+        ("deep_nesting", request("POST", "/verify",
+                                 b'{"responses_create_params": {"input": ' + deep + b"}}")),
+        ("long_group_id", request("POST", "/verify", with_(_ng_group_id="g" * 100_000))),
+        ("invalid_utf8", request("POST", "/verify", b'{"a": "\xff\xfe"}')),
+        ("wrong_content_type", request("POST", "/verify", with_(), content_type="text/plain")),
+        ("oversized", request("POST", "/verify", b"{}", length=2 * _MAX_REQUEST_BYTES)),
+        ("get_verify", request("GET", "/verify", b"")),
+        ("compare_too_many", request("POST", "/compare", _encode(
+            {"conversation_history": [], "response_objs": [{}] * (max_compare_responses + 1)}))),
+        ("compare_wrong_types", request("POST", "/compare", _encode(
+            {"conversation_history": 7, "response_objs": "x"}))),
+        ("aggregate_wrong_types", request("POST", "/aggregate_metrics", _encode(
+            {"verify_responses": [{"_ng_task_index": [1], "reward": "high"}]}))),
+        ("aggregate_huge_int", request("POST", "/aggregate_metrics", b'{"verify_responses": '
+                                       b'[{"_ng_task_index": 0, "reward": 1' + b"0" * 400
+                                       + b"}]}")),
+        ("seed_session_not_object", request("POST", "/seed_session", b'"just a string"')),
+    ]
+
+
+async def _raw_exchange(host: str, port: int, raw: bytes) -> tuple[int, bytes]:
+    """Send raw request bytes on a fresh connection and read one answer (status, body).
+    Raises :class:`loadgen.LoadgenError` when no answer comes."""
+    conn = h11.Connection(h11.CLIENT)
+    try:
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            # The server may answer (413) before the body is read; a send that fails then
+            # does not matter when the answer is already on its way.
+            try:
+                await stream.send_all(raw)
+            except (trio.BrokenResourceError, OSError):
+                pass
+            # The parser still expects to send this request: let it see its own bytes.
+            conn.send(h11.Request(method="GET", target="/", headers=[("Host", "soak")]))
+            conn.send(h11.EndOfMessage())
+            status, chunks = 0, []
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return status, b"".join(chunks)
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise loadgen.LoadgenError("closed before an answer")
+    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError,
+            h11.ProtocolError) as exc:
+        raise loadgen.LoadgenError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class _Tally:
+    """Answers by class and outcome, plus examples of the unexpected ones."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.unexpected = 0
+        self.examples: list[str] = []
+        self.latencies: list[tuple[float, float]] = []  # (started at, seconds) of normal cohorts
+
+    def add(self, klass: str, outcome: str, expected: bool, detail: str = "") -> None:
+        self.counts[f"{klass} {outcome}"] += 1
+        if not expected:
+            self.unexpected += 1
+            if len(self.examples) < _EXAMPLES:
+                self.examples.append(f"{klass} {outcome}: {detail[:200]}")
+
+
+def _member_outcome(result: loadgen.MemberResult) -> str:
+    if result.status == loadgen.TRANSPORT_ERROR:
+        return "transport_error"
+    kind = result.failure_kind or ("reward" if result.reward is not None else "none")
+    return f"{result.status} {kind}"
+
+
+def soak_case(
+    *,
+    duration_s: float = 600.0,
+    n: int = 8,
+    judge_ms: float = 20.0,
+    capacity_s: float = 10.0,
+    capacity_k: int = 64,
+    capacity_verifies_per_s: float | None = None,
+    load_fraction: float = 0.5,
+    fault_rate: float = 0.05,
+    disconnect_fraction: float = 0.05,
+    abandon_fraction: float = 0.05,
+    hostile_fraction: float = 0.05,
+    sample_s: float = 2.0,
+    warm_fraction: float = 0.2,
+    rss_tolerance_mb: float = 16.0,
+    rss_tolerance_fraction: float = 0.10,
+    fd_tolerance: int = 64,
+    max_compare_responses: int = 128,
+) -> Case:
+    """The soak: ``duration_s`` of open-loop load at ``load_fraction`` of the capacity measured
+    first (closed loop, ``capacity_k`` cohorts in flight for ``capacity_s``; or
+    ``capacity_verifies_per_s`` given), cohorts of ``n``
+    against a mock judge of ``judge_ms`` faulting on ``fault_rate`` of its calls. Of the cohorts,
+    ``disconnect_fraction`` have one member hang up early and retry, ``abandon_fraction`` never
+    send their last member; hostile requests arrive at ``hostile_fraction`` of the member rate.
+    See the module docstring for what passes. Ours only."""
+    params: dict[str, Any] = {
+        "gate": True, "duration_s": duration_s, "n": n, "judge_ms": judge_ms,
+        "load_fraction": load_fraction, "fault_rate": fault_rate,
+        "disconnect_fraction": disconnect_fraction, "abandon_fraction": abandon_fraction,
+        "hostile_fraction": hostile_fraction, "sample_s": sample_s,
+        "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
+        "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
+    }
+    settings = ServerSettings(
+        n=n, collection_timeout_s=_COLLECTION_TIMEOUT_S, result_ttl_s=60.0,
+        max_terminal_cohorts=2000,
+        ours_extra=(("max_request_bytes", str(_MAX_REQUEST_BYTES)),
+                    ("cohort_evaluation_timeout_s", "60"), ("judge_request_timeout_s", "10"),
+                    ("max_compare_responses", str(max_compare_responses))),
+    )
+    hostile = hostile_requests(n, max_compare_responses)
+
+    async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
+        if kind != "ours":
+            return RunRecord({}, notes={"skipped": "the soak watches our server only"})
+        async with _rig(ctx, kind, JudgeSettings(latency_ms=judge_ms), settings, tag) as rig:
+            return await _soak(rig)
+
+    async def _soak(rig: Rig) -> RunRecord:
+        bodies = BodyFactory(seed=23, run_tag=rig.run_tag)
+        host, port = rig.server.host_port
+        pid = rig.server.pid
+        capacity = capacity_verifies_per_s
+        if capacity is None:
+            plan = LoadPlan(n=n, k=capacity_k, max_cohorts=1_000_000, duration_s=capacity_s,
+                            first_cohort=10_000_000)
+            measured = await loadgen.drive_load(rig.client, bodies, plan)
+            capacity = measured.verifies / measured.wall_s if measured.wall_s else 0.0
+        if not capacity > 0:
+            raise RuntimeError("capacity measure rewarded nothing")
+        member_rate = load_fraction * capacity
+        cohort_interval_s = n / member_rate
+        hostile_interval_s = 1.0 / max(hostile_fraction * member_rate, 0.1)
+        await rig.judge_client.request(
+            "POST", "/admin/fault", _encode({"fault": "none", "count": None, "rate": fault_rate}))
+        tally = _Tally()
+        samples: list[SoakSample] = []
+        started = time.perf_counter()
+        stop_at = started + duration_s
+        rng = random.Random(29)
+        in_flight = 0
+        shed = 0
+        max_in_flight = max(64, int(8 * member_rate * 1.0 / n))  # cohorts: ~8 s of arrivals
+
+        def sample() -> None:
+            stats = loadgen.read_proc_stats(pid)
+            samples.append(SoakSample(time.perf_counter() - started, stats.rss_bytes,
+                                      loadgen.count_fds(pid)))
+
+        async def sampler() -> None:
+            while True:
+                sample()
+                await trio.sleep(sample_s)
+
+        async def member(klass: str, cohort: int, slot: int, delay_s: float) -> None:
+            await trio.sleep(delay_s)
+            result = await loadgen.send_member(rig.client, bodies.member(cohort, slot), slot)
+            outcome = _member_outcome(result)
+            if klass == "abandoned":
+                expected = outcome == "503 cohort_incomplete"
+            else:
+                expected = result.status == 200 and (
+                    result.reward is not None or result.failure_kind == "judge_failed")
+            tally.add(klass, outcome, expected, f"cohort {cohort} slot {slot}")
+
+        async def hang_up(cohort: int, slot: int, delay_s: float) -> None:
+            """Send the member, hang up after ``delay_s``, then send it again (re-attaches, or
+            replays if the cohort finished meanwhile)."""
+            with trio.move_on_after(delay_s) as scope:
+                await loadgen.send_member(rig.client, bodies.member(cohort, slot), slot)
+            tally.counts["disconnect_retry hung_up" if scope.cancelled_caught
+                         else "disconnect_retry answered_before_hang_up"] += 1
+            await member("disconnect_retry", cohort, slot, 0.0)
+
+        async def cohort_task(number: int, klass: str) -> None:
+            nonlocal in_flight
+            began = time.perf_counter()
+            try:
+                async with trio.open_nursery() as nursery:
+                    slots = range(n - 1) if klass == "abandoned" else range(n)
+                    for slot in slots:
+                        delay = rng.uniform(0.0, 0.02)
+                        if klass == "disconnect_retry" and slot == 0:
+                            nursery.start_soon(hang_up, number, slot, rng.uniform(0.001, 0.05))
+                        else:
+                            nursery.start_soon(member, klass, number, slot, delay)
+                if klass == "normal":
+                    tally.latencies.append((began - started, time.perf_counter() - began))
+            finally:
+                in_flight -= 1
+
+        async def hostile_task(name: str, raw: bytes) -> None:
+            try:
+                status, body = await _raw_exchange(host, port, raw)
+            except loadgen.LoadgenError as exc:
+                tally.add("hostile", f"{name} transport_error", False, str(exc))
+                return
+            try:
+                detail = msgspec.json.decode(body).get("detail")
+            except (msgspec.DecodeError, AttributeError):
+                detail = None
+            ok = status in _HOSTILE_OK and isinstance(detail, str) and bool(detail)
+            tally.add("hostile", f"{name} {status}", ok, body.decode(errors="replace"))
+
+        async def arrivals(traffic: trio.Nursery) -> None:
+            nonlocal in_flight, shed
+            number = 0
+            next_at = time.perf_counter()
+            while next_at < stop_at:
+                await trio.sleep(max(0.0, next_at - time.perf_counter()))
+                next_at += cohort_interval_s
+                if in_flight >= max_in_flight:
+                    shed += 1
+                    continue
+                roll = rng.random()
+                klass = ("disconnect_retry" if roll < disconnect_fraction
+                         else "abandoned" if roll < disconnect_fraction + abandon_fraction
+                         else "normal")
+                in_flight += 1
+                traffic.start_soon(cohort_task, number, klass)
+                number += 1
+
+        async def hostile_arrivals(traffic: trio.Nursery) -> None:
+            index = 0
+            next_at = time.perf_counter()
+            while next_at < stop_at:
+                await trio.sleep(max(0.0, next_at - time.perf_counter()))
+                next_at += hostile_interval_s
+                name, raw = hostile[index % len(hostile)]
+                index += 1
+                traffic.start_soon(hostile_task, name, raw)
+
+        async with trio.open_nursery() as watch:
+            watch.start_soon(sampler)
+            with trio.move_on_after(duration_s + _COLLECTION_TIMEOUT_S + 120.0) as bounded:
+                async with trio.open_nursery() as traffic:
+                    traffic.start_soon(arrivals, traffic)
+                    traffic.start_soon(hostile_arrivals, traffic)
+            sample()
+            watch.cancel_scope.cancel()
+        load_s = time.perf_counter() - started
+        await rig.client.aclose()
+        leftover = await _idle_status(rig)
+        if bounded.cancelled_caught:
+            leftover["requests unanswered at the drain bound"] = 1
+        fds_idle = loadgen.count_fds(pid)
+        await rig.judge_client.request(
+            "POST", "/admin/fault", _encode({"fault": "none", "count": None, "rate": 0.0}))
+        judge_stats = msgspec.json.decode((await rig.judge_client.get("/admin/stats")).body)
+        figures, failed = soak_checks(
+            samples, unexpected=tally.unexpected, leftover=leftover,
+            warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
+            rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance)
+        third = duration_s / 3
+        early = [s for t, s in tally.latencies if t < third]
+        late = [s for t, s in tally.latencies if t >= 2 * third]
+        requests = sum(v for k, v in tally.counts.items() if not k.endswith(("hung_up",
+                       "answered_before_hang_up")))
+        metrics = {
+            "capacity_verifies_per_s": capacity,
+            "offered_verifies_per_s": member_rate,
+            "answered_per_s": requests / load_s if load_s else math.nan,
+            "requests": float(requests),
+            "unexpected": float(tally.unexpected),
+            "shed_cohorts": float(shed),
+            "latency_p50_ms_first_third": 1000 * percentile(early, 0.5),
+            "latency_p99_ms_first_third": 1000 * percentile(early, 0.99),
+            "latency_p50_ms_last_third": 1000 * percentile(late, 0.5),
+            "latency_p99_ms_last_third": 1000 * percentile(late, 0.99),
+            "fds_idle_after": float(fds_idle),
+            "judge_calls": float(judge_stats.get("calls", 0)),
+            "judge_faults_injected": float(sum(judge_stats.get("faults_injected", {}).values())),
+            **figures,
+        }
+        notes: dict[str, Any] = {
+            "answers": dict(sorted(tally.counts.items())),
+            "unexpected_examples": tally.examples,
+            "faults_injected": judge_stats.get("faults_injected", {}),
+            "failed_checks": failed,
+            "leftover": leftover,
+        }
+        return RunRecord(metrics, {
+            "t_s": [s.t_s for s in samples],
+            "rss_mb": [s.rss_bytes / 2**20 for s in samples],
+            "fds": [float(s.fds) for s in samples],
+        }, notes)
+
+    def resize(seconds: float) -> Case:
+        return soak_case(
+            duration_s=seconds, n=n, judge_ms=judge_ms, capacity_s=capacity_s,
+            capacity_k=capacity_k,
+            capacity_verifies_per_s=capacity_verifies_per_s, load_fraction=load_fraction,
+            fault_rate=fault_rate, disconnect_fraction=disconnect_fraction,
+            abandon_fraction=abandon_fraction, hostile_fraction=hostile_fraction,
+            sample_s=sample_s, warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
+            rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
+            max_compare_responses=max_compare_responses)
+
+    return Case("soak", f"{duration_s:g}s-n{n}-load{load_fraction:g}", run, params,
+                kinds=("ours",),
+                resize=resize)
+
+
+async def _idle_status(rig: Rig, limit_s: float = _COLLECTION_TIMEOUT_S + 30.0) -> dict[str, int]:
+    """Wait (bounded) until the server holds no active cohort and no waiter; what is left."""
+    cohorts: dict[str, int] = {}
+    with trio.move_on_after(limit_s):
+        while True:
+            answer = await rig.client.get("/status")
+            cohorts = msgspec.json.decode(answer.body)["cohorts"]
+            if cohorts.get("active_cohorts") == 0 and cohorts.get("waiters") == 0:
+                break
+            await trio.sleep(0.2)
+    return {"active cohorts": int(cohorts.get("active_cohorts", -1)),
+            "waiters": int(cohorts.get("waiters", -1))}
