@@ -1300,7 +1300,8 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     ],
     "soak": lambda: [_soak_case()],
 })
-"""Preset name -> its cases. ``all`` runs every preset but ``smoke``, in this order."""
+"""Preset name -> its cases. ``all`` runs every preset but ``smoke`` and ``soak``, in order."""
+_NOT_IN_ALL = frozenset({"smoke", "soak"})
 
 
 # -- running and reporting ---------------------------------------------------------------------
@@ -1362,7 +1363,8 @@ async def run_bench(
     before this returns, also on cancellation. A run that fails is recorded with its error and
     the bench goes on. Raises ``KeyError`` for an unknown preset name.
     """
-    names = [p for p in PRESETS if p != "smoke"] if list(presets) == ["all"] else list(presets)
+    names = ([p for p in PRESETS if p not in _NOT_IN_ALL] if list(presets) == ["all"]
+             else list(presets))
     cases = [case for name in names for case in PRESETS[name]()]
     if duration_s is not None:
         cases = [case.resize(duration_s) if case.resize else case for case in cases]
