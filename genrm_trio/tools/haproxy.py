@@ -80,7 +80,7 @@ def ensure_haproxy() -> str:
     Blocks (minutes on a fresh machine; run it in a thread from async code). Raises
     :class:`HaproxyError` with the installer's last line when that fails (no root, no apt).
     """
-    found = shutil.which("haproxy")
+    found = _which_haproxy()
     if found:
         return found
     apt = shutil.which("apt-get")
@@ -92,10 +92,16 @@ def ensure_haproxy() -> str:
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
             raise HaproxyError(f"{' '.join(step[:2])} failed: {' '.join(tail)}")
-    found = shutil.which("haproxy")
+    found = _which_haproxy()
     if found is None:
-        raise HaproxyError("apt-get install haproxy succeeded but haproxy is not on PATH")
+        raise HaproxyError("apt-get install haproxy succeeded but no haproxy executable found")
     return found
+
+
+def _which_haproxy() -> str | None:
+    # The Debian package installs /usr/sbin/haproxy, which is not on every user's PATH.
+    path = os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin", "/usr/local/sbin"])
+    return shutil.which("haproxy", path=path)
 
 
 def bufsize_for(max_request_bytes: int) -> int:
