@@ -130,6 +130,9 @@ async def test_defaulted_comparisons_are_counted_in_every_answer(
     async with httpx2.AsyncClient(base_url=stack.url) as client:
         status = (await client.get("/status")).json()
         metrics = (await client.get("/metrics")).text
+        openapi = (await client.get("/openapi.json")).json()
+    answer_schema = openapi["components"]["schemas"]["VerifyAnswer"]["properties"]
+    assert "genrm_defaulted_comparisons" in answer_schema
     endpoint = status["judge"]["endpoints"][0]
     assert endpoint["input_tokens"] > 0 and endpoint["output_tokens"] > 0
     assert endpoint["clients"] >= 1

@@ -110,6 +110,12 @@ def build_openapi() -> dict[str, Any]:
             "_ng_group_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
             "_ng_group_attempt": {"type": "integer"},
             "_ng_rollout_index": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            wire.DEFAULTED_COMPARISONS_KEY: {
+                "anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}],
+                "description": "Rewarded answers only: how many of the cohort's comparisons "
+                "used the default verdict because no judge answer parsed (null: unknown, a "
+                "record reloaded from state_dir).",
+            },
         },
     }
     components["CompareAnswer"] = {
