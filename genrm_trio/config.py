@@ -170,6 +170,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     judge_max_concurrency: int = 1024
     judge_retry_backoff_max_s: float = 10.0
     judge_schedule: Literal["wait_for_all", "eager"] = "wait_for_all"
+    judge_order: Literal["closest_group", "oldest_group", "arrival"] = "closest_group"
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 5.0
     state_dir: str | None = None
@@ -380,6 +381,12 @@ def _validate_config(cfg: Config) -> None:
     if cfg.judge_schedule not in ("wait_for_all", "eager"):
         raise ConfigError(
             "judge_schedule", f"must be 'wait_for_all' or 'eager', got {_show(cfg.judge_schedule)}"
+        )
+    if cfg.judge_order not in ("closest_group", "oldest_group", "arrival"):
+        raise ConfigError(
+            "judge_order",
+            "must be 'closest_group', 'oldest_group' or 'arrival', "
+            f"got {_show(cfg.judge_order)}",
         )
     _number("max_request_bytes", cfg.max_request_bytes, ge=1, integer=True)
     _number("shutdown_grace_s", cfg.shutdown_grace_s, gt=0)

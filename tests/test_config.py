@@ -376,6 +376,7 @@ INVALID: list[tuple[str, Any]] = [
     *[("judge_max_concurrency", v) for v in (0, -1)],
     *[("judge_retry_backoff_max_s", v) for v in (-1, ".inf", ".nan")],
     *[("judge_schedule", v) for v in ("lazy",)],
+    *[("judge_order", v) for v in ("fifo", "", 3)],
     *[("max_request_bytes", v) for v in (0, -1)],
     *[("shutdown_grace_s", v) for v in (0, -1, ".inf", ".nan", None)],
     ("state_dir", "''"),

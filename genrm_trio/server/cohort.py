@@ -45,7 +45,7 @@ from genrm_trio import identity, scoring
 from genrm_trio.config import Config
 from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server.journal import Journal
-from genrm_trio.server.judge import JudgeRequest
+from genrm_trio.server.judge import GroupProgress, JudgeRequest
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ Outcome = Rewarded | Failure
 
 
 class PairJudge(Protocol):
-    async def judge_pair(self, request: JudgeRequest) -> scoring.Verdict: ...
+    async def judge_pair(self, request: JudgeRequest,
+                         group: GroupProgress | None = None) -> scoring.Verdict: ...
 
 
 class CohortObserver(Protocol):
@@ -159,6 +160,11 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
+
+    @property
+    def comparisons_left(self) -> int:
+        """Comparisons not finished yet, started or not: the judge's limiter ranks by it."""
+        return len(self.pairs) - len(self.results)
 
     @property
     def legacy(self) -> bool:
@@ -575,7 +581,7 @@ class CohortRegistry:
 
     async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest) -> None:
         try:
-            verdict = await self._judge.judge_pair(request)
+            verdict = await self._judge.judge_pair(request, cohort)
         except JudgeFailed as exc:
             cohort.input_tokens += exc.input_tokens
             cohort.output_tokens += exc.output_tokens

@@ -44,7 +44,7 @@ import trio
 import trio.testing
 import yaml
 
-from genrm_trio.tools import loadgen
+from genrm_trio.tools import loadgen, step
 from genrm_trio.tools.loadgen import (
     BodyFactory,
     H11Client,
@@ -1010,7 +1010,7 @@ def _disconnect_and_time(
 class _InstantJudge:
     """A judge that answers every pair at once with a tie: admission is measured, not judging."""
 
-    async def judge_pair(self, request: Any) -> Any:
+    async def judge_pair(self, request: Any, group: Any = None) -> Any:
         from genrm_trio.scoring import Verdict
 
         return Verdict(score_1=3.0, score_2=3.0, ranking=3.5)
@@ -1242,6 +1242,54 @@ def scaleout_case(
                 kinds=("ours",))
 
 
+def step_cases(params: step.StepParams) -> list[Case]:
+    """The ``step`` preset: one case per judge capacity of the sweep. Each run measures every
+    schedule (and judge order) on the same arrival trace, one after the other, each in fresh
+    processes, and compares their rewards member by member (see :mod:`genrm_trio.tools.step`).
+    Our server only: NeMo Gym has no eager schedule."""
+    arrivals = step.arrival_trace(params)
+    pairs = step.pairs_of(params)
+    eager_peak = step.peak_demand(step.ready_times(arrivals, pairs, "eager"), params.judge_s)
+    wait_peak = step.peak_demand(step.ready_times(arrivals, pairs, "wait_for_all"),
+                                 params.judge_s)
+    capacities = params.capacities or step.default_capacities(params)
+    orders: tuple[str | None, ...] = params.orders or (None,)
+    runs = [(schedule, order) for schedule in step.SCHEDULES for order in orders]
+    keys = [step.run_key(schedule, order) for schedule, order in runs]
+
+    def make(capacity: int) -> Case:
+        async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
+            metrics: dict[str, float] = {}
+            samples: dict[str, list[float]] = {}
+            rewards: dict[str, dict[tuple[int, int], float | None]] = {}
+            for (schedule, order), key in zip(runs, keys, strict=True):
+                judge = JudgeSettings(latency_ms=params.judge_ms, capacity=capacity)
+                server = ServerSettings(
+                    n=params.n, collection_timeout_s=params.collection_timeout_s,
+                    ours_extra=step.judge_sets(params, schedule, capacity, order))
+                label = f"{tag}-{key.replace('/', '-')}"
+                async with _rig(ctx, kind, judge, server, label) as rig:
+                    done = await step.run_step(rig.client, rig.judge_client, params, arrivals,
+                                               schedule)
+                for name, value in step.step_metrics(done, params, capacity).items():
+                    metrics[f"{key}:{name}"] = value
+                rewards[key] = step.rewards_of(done)
+                first = min(m.sent_at for c in done.cohorts for m in c.members) - done.t0
+                samples[f"{key}:t"] = [t - first for t in done.samples_t]
+                samples[f"{key}:in_flight"] = done.samples_in_flight
+            for key in keys:
+                metrics[f"{key}:rewards_equal"] = float(rewards[key] == rewards[keys[0]])
+            return RunRecord(metrics, samples)
+
+        case_params = {"label": params.label(), "capacity": capacity, "runs": keys,
+                       "eager_peak": eager_peak, "wait_peak": wait_peak,
+                       **{k: v for k, v in vars(params).items() if k != "capacities"}}
+        return Case("step", f"{params.label()}-cap{capacity}", run, case_params,
+                    kinds=("ours",))
+
+    return [make(c) for c in capacities]
+
+
 # -- presets -----------------------------------------------------------------------------------
 
 
@@ -1293,6 +1341,7 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "steady_state": lambda: [steady_state_case()],
     "admission": lambda: [admission_case(g) for g in (0, 1000, 3000, 5000, 10000)],
     "scaleout": lambda: [scaleout_case(judge="canned"), scaleout_case(judge="builtin")],
+    "step": lambda: step_cases(step.StepParams()),
     "tail": lambda: [
         load_case(
             "tail", "k1-n16-judge50ms", n=16, k=1, judge_ms=50.0, duration_s=120.0, max_cohorts=400
@@ -1355,17 +1404,24 @@ async def run_bench(
     nemo_venv: Path | None = None,
     echo: Callable[[str], None] = print,
     duration_s: float | None = None,
+    step_params: step.StepParams | None = None,
 ) -> list[CaseResult]:
     """Run the presets' cases, alternating the servers A B A B ``repeats`` times per case, and
     write ``results.json``, ``summary.md`` and the plots into ``out_dir``.
 
     Blocks for as long as the runs take (minutes for ``all``). Every process started is ended
     before this returns, also on cancellation. A run that fails is recorded with its error and
-    the bench goes on. Raises ``KeyError`` for an unknown preset name.
+    the bench goes on. Raises ``KeyError`` for an unknown preset name. ``step_params`` shapes
+    the ``step`` preset (default :class:`~genrm_trio.tools.step.StepParams`).
     """
     names = ([p for p in PRESETS if p not in _NOT_IN_ALL] if list(presets) == ["all"]
              else list(presets))
-    cases = [case for name in names for case in PRESETS[name]()]
+    cases = [
+        case
+        for name in names
+        for case in (step_cases(step_params) if name == "step" and step_params
+                     else PRESETS[name]())
+    ]
     if duration_s is not None:
         cases = [case.resize(duration_s) if case.resize else case for case in cases]
     await trio.to_thread.run_sync(functools.partial(out_dir.mkdir, parents=True, exist_ok=True))
@@ -1629,6 +1685,8 @@ def render_markdown(results: Sequence[CaseResult]) -> str:
     ]
     current = None
     for r in results:
+        if r.preset == "step":
+            continue  # its own table below: schedules side by side, not servers
         if r.preset != current:
             current = r.preset
             lines += [
@@ -1663,6 +1721,9 @@ def render_markdown(results: Sequence[CaseResult]) -> str:
                     lines.append(
                         f"| {r.label} | ({kind} run {i} answers) | {run.notes['answers']} | | |"
                     )
+    sweep = step.render_sweep(results)
+    if sweep:
+        lines += ["", "## step", "", sweep]
     goals = _goal_rows(results)
     if goals:
         lines += [
@@ -1774,6 +1835,47 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
         "release_ms", lambda r: f"release of 10,000 waiters: {r.label}",
         "trigger -> released (ms)", "fraction of waiters", "release_cdf.png",
     )
+
+    step_results = [r for r in results if r.preset == "step" and r.runs.get("ours")]
+    if step_results:
+        keys: list[str] = list(step_results[0].params["runs"])
+        palette = ["tab:orange", "tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        caps = [int(r.params["capacity"]) for r in step_results]
+        for key, color in zip(keys, palette, strict=False):
+            ys = [r.median.get("ours", {}).get(f"{key}:makespan_s", math.nan)
+                  for r in step_results]
+            ax.plot(caps, ys, marker="o", color=color, label=f"{key} makespan")
+        bound = [r.median.get("ours", {}).get(f"{keys[0]}:lower_bound_s", math.nan)
+                 for r in step_results]
+        last = [r.median.get("ours", {}).get(f"{keys[0]}:last_arrival_s", math.nan)
+                for r in step_results]
+        ax.plot(caps, bound, "k--", label="lower bound")
+        ax.plot(caps, [1.1 * x for x in last], "k:", label="last arrival + 10%")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("judge capacity (calls at once)")
+        ax.set_ylabel("step makespan (s)")
+        ax.set_title(f"step {step_results[0].params['label']}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, "step_makespan.png")
+
+        fig, axes = plt.subplots(len(step_results), 1, figsize=(7, 2.2 * len(step_results)),
+                                 squeeze=False)
+        for ax, r in zip(axes[:, 0], step_results, strict=True):
+            cap = int(r.params["capacity"])
+            first = r.runs["ours"][0].samples
+            for key, color in zip(keys, palette, strict=False):
+                ts = first.get(f"{key}:t", [])
+                ys = [v / cap for v in first.get(f"{key}:in_flight", [])]
+                ax.plot(ts, ys, color=color, lw=0.8, label=key)
+            ax.set_ylim(0, 1.05)
+            ax.set_ylabel(f"busy / {cap}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+        axes[-1, 0].set_xlabel("seconds since the first request")
+        fig.suptitle("judge utilisation over the step", fontsize=9)
+        save(fig, "step_utilisation.png")
     return written
 
 
@@ -1819,6 +1921,14 @@ def _default_out_dir() -> Path:
     help="Length of the cases that take one (the soak: default 600 s).",
 )
 @click.option(
+    "--step",
+    "step_overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Shape the step preset (repeatable): n, k, strategy, median_gen_s, sigma, judge_ms, "
+    "capacities (comma list), orders (comma list), seed, collection_timeout_s.",
+)
+@click.option(
     "--nemo-venv",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -1830,6 +1940,7 @@ def bench_cli(
     servers: str,
     out_dir: Path | None,
     duration_s: float | None,
+    step_overrides: tuple[str, ...],
     nemo_venv: Path | None,
 ) -> None:
     """Benchmark genrm-trio side by side with NeMo Gym's genrm_compare on this machine.
@@ -1841,6 +1952,10 @@ def bench_cli(
     for p in presets:
         if p != "all" and p not in PRESETS:
             raise click.BadParameter(f"unknown preset {p!r}", param_hint="--preset")
+    try:
+        step_params = step.parse_overrides(step_overrides) if step_overrides else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--step") from None
     kinds = KINDS if servers == "both" else (servers,)
     out = out_dir or _default_out_dir()
     results = trio.run(
@@ -1853,6 +1968,7 @@ def bench_cli(
             nemo_venv=nemo_venv,
             echo=lambda s: click.echo(s, err=True),
             duration_s=duration_s,
+            step_params=step_params,
         )
     )
     click.echo(render_markdown(results))

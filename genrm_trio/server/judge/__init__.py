@@ -4,7 +4,7 @@ Its files show its parts, top down::
 
     retry.py            Judge.judge_pair(request): retry budget, backoff, parsing, default
         |               verdict, stats; open_judge() picks the backend and owns its lifetime
-        |  per attempt: global CapacityLimiter(judge_max_concurrency)
+        |  per attempt: global OrderedLimiter(judge_max_concurrency, judge_order)
         v
     backends.py         Backend.call(request) -> text: one attempt under the per-request
         |               deadline; PluginBackend ("module:function", trio or asyncio via _aio),
@@ -18,6 +18,7 @@ Its files show its parts, top down::
                 h11_pool.py       trio + h11 keep-alive pool (default; the only h11 user)
                 httpx_transport.py  httpx2 client shards (the only httpx2 user)
     attempt.py          JudgeRequest, AttemptFailed (retried), AttemptFatal (not retried)
+    order.py            OrderedLimiter: which waiting comparison gets the next free slot
 
 A backend attempt either returns the answer text or raises :class:`AttemptFailed`
 (transient: retried within the budget) or :class:`AttemptFatal` (not retried). Third-party
@@ -31,6 +32,7 @@ from genrm_trio.server.judge.attempt import AttemptFailed, AttemptFatal, JudgeRe
 from genrm_trio.server.judge.backends import PluginFn, load_plugin
 from genrm_trio.server.judge.bodies import base_params, chat_body, responses_body
 from genrm_trio.server.judge.h11_pool import H11Pool
+from genrm_trio.server.judge.order import JUDGE_ORDERS, GroupProgress, JudgeOrder, OrderedLimiter
 from genrm_trio.server.judge.retry import CLOSE_BOUND_S, Judge, JudgeStats, open_judge
 from genrm_trio.server.judge.retry_after import MAX_HINT_S, parse_retry_after
 
@@ -39,10 +41,14 @@ __all__ = [
     "MAX_HINT_S",
     "AttemptFailed",
     "AttemptFatal",
+    "GroupProgress",
     "H11Pool",
+    "JUDGE_ORDERS",
     "Judge",
+    "JudgeOrder",
     "JudgeRequest",
     "JudgeStats",
+    "OrderedLimiter",
     "PluginFn",
     "base_params",
     "chat_answer",

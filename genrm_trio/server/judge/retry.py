@@ -1,9 +1,9 @@
 """The retry loop: :class:`Judge` (one comparison with its whole budget) and :func:`open_judge`.
 
-Per attempt the loop takes one token of the global ``CapacityLimiter(judge_max_concurrency)``
-and calls the backend; between attempts it backs off (full jitter, at least the judge's
-``Retry-After``). Every message that leaves the judge passes through :meth:`Judge._safe`, which
-removes the api key and bounds the length.
+Per attempt the loop takes one token of the global limiter (``judge_max_concurrency`` tokens,
+handed out in ``judge_order``: order.py) and calls the backend; between attempts it backs off
+(full jitter, at least the judge's ``Retry-After``). Every message that leaves the judge passes
+through :meth:`Judge._safe`, which removes the api key and bounds the length.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from genrm_trio.server.judge.backends import Backend, BuiltinBackend, PluginBack
 from genrm_trio.server.judge.endpoints import display_url
 from genrm_trio.server.judge.http_backend import HttpBackend
 from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport
+from genrm_trio.server.judge.order import GroupProgress, OrderedLimiter
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Judge:
         self._backend = backend
         self._api_key = api_key
         self._rng = rng
-        self._limiter = trio.CapacityLimiter(max(1, cfg.judge_max_concurrency))
+        self._limiter = OrderedLimiter(max(1, cfg.judge_max_concurrency), cfg.judge_order)
         self.stats = JudgeStats()
 
     @property
@@ -98,11 +99,13 @@ class Judge:
         """``http``, ``plugin`` or ``builtin``."""
         return self._backend.kind
 
-    async def judge_pair(self, request: JudgeRequest) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest,
+                         group: GroupProgress | None = None) -> scoring.Verdict:
         """Judge one comparison, using its whole retry budget.
 
         Blocks until a verdict or a final failure. Each attempt holds one token of the global
-        limiter (not while backing off) and runs under ``judge_request_timeout_s``. Backoff
+        limiter (not while backing off; when tokens are short they go in ``judge_order``, by
+        ``group``, see order.py) and runs under ``judge_request_timeout_s``. Backoff
         sleeps are ``trio.sleep``, so an outer deadline cuts them. An outer cancellation raises
         ``trio.Cancelled`` at once and aborts the attempt in flight.
 
@@ -116,7 +119,7 @@ class Judge:
         """
         state = PairState()
         try:
-            verdict = await self._judge(request, state)
+            verdict = await self._judge(request, state, group)
         except JudgeFailed as exc:
             raise JudgeFailed(str(exc), state.input_tokens, state.output_tokens) from None
         finally:
@@ -125,7 +128,8 @@ class Judge:
         return msgspec.structs.replace(
             verdict, input_tokens=state.input_tokens, output_tokens=state.output_tokens)
 
-    async def _judge(self, request: JudgeRequest, state: PairState) -> scoring.Verdict:
+    async def _judge(self, request: JudgeRequest, state: PairState,
+                     group: GroupProgress | None) -> scoring.Verdict:
         cfg = self._cfg
         stats = self.stats
         attempts = max(1, cfg.genrm_parse_retries + 1)
@@ -144,7 +148,7 @@ class Judge:
                 stats.backoff_seconds_sum += delay  # completed waits only
             retry_after = None
             try:
-                text = await self._attempt(request, k, state)
+                text = await self._attempt(request, k, state, group)
             except AttemptFatal as exc:
                 self._count(exc.reason)
                 stats.comparisons_failed += 1
@@ -206,8 +210,9 @@ class Judge:
                 return f"genrm_responses_create_params.{name}", params[name]
         return "genrm_responses_create_params.max_output_tokens", "the server's default"
 
-    async def _attempt(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
-        async with self._limiter:
+    async def _attempt(self, request: JudgeRequest, attempt: int, state: PairState,
+                       group: GroupProgress | None) -> str:
+        async with self._limiter.slot(group):
             self.stats.calls += 1
             started = trio.current_time()
             ok = False
@@ -264,7 +269,9 @@ class Judge:
             "api": self._cfg.judge.api if self._backend.kind == "http" else None,
             "limiter": {
                 "in_use": self._limiter.borrowed_tokens,
-                "total": int(self._limiter.total_tokens),
+                "total": self._limiter.total_tokens,
+                "waiting": self._limiter.waiting,
+                "order": self._cfg.judge_order,
             },
         }
         snapshot.update(self._backend.status())
