@@ -170,7 +170,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     judge_max_concurrency: int = 1024
     judge_retry_backoff_max_s: float = 10.0
     judge_schedule: Literal["wait_for_all", "eager"] = "wait_for_all"
-    judge_order: Literal["closest_group", "oldest_group", "arrival"] = "closest_group"
+    judge_order: Literal["complete_group", "closest_group", "oldest_group", "arrival"] = (
+        "complete_group"
+    )
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 5.0
     state_dir: str | None = None
@@ -382,10 +384,10 @@ def _validate_config(cfg: Config) -> None:
         raise ConfigError(
             "judge_schedule", f"must be 'wait_for_all' or 'eager', got {_show(cfg.judge_schedule)}"
         )
-    if cfg.judge_order not in ("closest_group", "oldest_group", "arrival"):
+    if cfg.judge_order not in ("complete_group", "closest_group", "oldest_group", "arrival"):
         raise ConfigError(
             "judge_order",
-            "must be 'closest_group', 'oldest_group' or 'arrival', "
+            "must be 'complete_group', 'closest_group', 'oldest_group' or 'arrival', "
             f"got {_show(cfg.judge_order)}",
         )
     _number("max_request_bytes", cfg.max_request_bytes, ge=1, integer=True)

@@ -582,7 +582,7 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
         "output_tokens": 0,
     }
     assert status["limiter"] == {"in_use": 0, "total": 1024, "waiting": 0,
-                                 "order": "closest_group"}
+                                 "order": "complete_group"}
 
 
 async def test_outer_cancel_cuts_backoff(autojump_clock: trio.testing.MockClock) -> None:
@@ -933,7 +933,7 @@ async def test_limiter_bounds_calls_in_flight(autojump_clock: trio.testing.MockC
                 nursery.start_soon(judge.judge_pair, REQUEST)
             await trio.testing.wait_all_tasks_blocked()
             assert judge.status()["limiter"] == {"in_use": 3, "total": 3, "waiting": 7,
-                                                 "order": "closest_group"}
+                                                 "order": "complete_group"}
         assert trio.current_time() == 4.0  # ceil(10 / 3) waves of 1 s
     assert peak == 3
     assert judge.stats.calls == 10
@@ -969,7 +969,7 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
         assert judge.status() == {
             "kind": "http",
             "api": "responses",
-            "limiter": {"in_use": 0, "total": 8, "waiting": 0, "order": "closest_group"},
+            "limiter": {"in_use": 0, "total": 8, "waiting": 0, "order": "complete_group"},
             "endpoints": [
                 {
                     "url": f"{u}/v1/responses",
@@ -1139,7 +1139,7 @@ async def test_builtin_judge(caplog: pytest.LogCaptureFixture) -> None:
         assert judge.status() == {
             "kind": "builtin",
             "api": None,
-            "limiter": {"in_use": 0, "total": 1024, "waiting": 0, "order": "closest_group"},
+            "limiter": {"in_use": 0, "total": 1024, "waiting": 0, "order": "complete_group"},
             "endpoints": [],
         }
     expected = scoring.parse_judge_output(

@@ -21,6 +21,7 @@ from tests.test_judge import REQUEST, make_cfg, responses_ok, transport
 class Group:
     opened_at: float
     comparisons_left: int
+    collected_at: float | None = None
 
 
 async def _serve_in_order(limiter: OrderedLimiter,
@@ -46,9 +47,9 @@ async def _serve_in_order(limiter: OrderedLimiter,
     return served[1:]
 
 
-BIG_OLD = Group(opened_at=0.0, comparisons_left=5)
-SMALL_NEW = Group(opened_at=2.0, comparisons_left=1)
-SMALL_OLD = Group(opened_at=1.0, comparisons_left=1)
+BIG_OLD = Group(opened_at=0.0, comparisons_left=5, collected_at=5.0)
+SMALL_NEW = Group(opened_at=2.0, comparisons_left=1)  # still collecting
+SMALL_OLD = Group(opened_at=1.0, comparisons_left=1, collected_at=4.0)
 QUEUE: list[tuple[str, GroupProgress | None]] = [
     ("big-1", BIG_OLD), ("small-new", SMALL_NEW), ("big-2", BIG_OLD), ("compare", None),
     ("small-old", SMALL_OLD),
@@ -56,6 +57,7 @@ QUEUE: list[tuple[str, GroupProgress | None]] = [
 
 
 @pytest.mark.parametrize(("order", "expected"), [
+    ("complete_group", ["compare", "small-old", "big-1", "big-2", "small-new"]),
     ("closest_group", ["compare", "small-old", "small-new", "big-1", "big-2"]),
     ("oldest_group", ["compare", "big-1", "big-2", "small-old", "small-new"]),
     ("arrival", ["big-1", "small-new", "big-2", "compare", "small-old"]),
@@ -175,8 +177,11 @@ SLOT_OF = {answer(s): s for s in range(3)}
 
 
 @pytest.mark.parametrize(("order", "a_done", "b_done"), [
-    ("closest_group", 3.0, 6.0),  # a has 2 comparisons left at t=1, b has 3: a goes first
-    ("arrival", 6.0, 4.0),  # b's comparisons were queued first
+    # at t=1 the queue is: c (0, 1) [c still collecting], b x3 [b complete at 0.25],
+    # a x2 [a complete at 0.5, one of its three comparisons done]
+    ("complete_group", 6.0, 4.0),  # b, then a, then c's early pair
+    ("arrival", 7.0, 5.0),  # c, b, a
+    ("closest_group", 3.0, 7.0),  # a (2 left), c (3 left, older than b), b
 ])
 async def test_the_registry_ranks_its_cohorts_by_their_progress(
     autojump_clock: trio.abc.Clock, order: str, a_done: float, b_done: float,
@@ -187,13 +192,22 @@ async def test_the_registry_ranks_its_cohorts_by_their_progress(
     async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
         out = Outcomes(registry, nursery)
         t0 = trio.current_time()
-        for slot in (0, 1):  # a's pair (0, 1) takes the free slot at once
-            out.send(f"a{slot}", member(cfg, slot, group="a", prompt="prompt a"))
+
+        def send(group: str, *slots: int) -> None:
+            for slot in slots:
+                out.send(f"{group}{slot}", member(cfg, slot, group=group,
+                                                  prompt=f"prompt {group}"))
+
+        send("a", 0, 1)  # a's pair (0, 1) takes the free slot at once
+        await trio.sleep(0.1)
+        send("c", 0, 1)  # an early pair of a group still collecting
+        await trio.sleep(0.15)
+        send("b", 0, 1, 2)  # b complete: three comparisons
         await trio.sleep(0.25)
-        for slot in range(3):  # b complete: three comparisons queue
-            out.send(f"b{slot}", member(cfg, slot, group="b", prompt="prompt b"))
-        await trio.sleep(0.25)
-        out.send("a2", member(cfg, 2, group="a", prompt="prompt a"))  # two more for a
+        send("a", 2)  # a complete: two more
+        await trio.sleep(9.5)
+        send("c", 2)
     assert judge.served[0] == (t0, "a", (0, 1))
     assert out.results["a0"][0] - t0 == a_done
     assert out.results["b0"][0] - t0 == b_done
+    assert out.results["c0"][0] - t0 == 12.0  # c's last two comparisons, after t=10

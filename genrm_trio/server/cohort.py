@@ -162,6 +162,12 @@ class Cohort:
         self.output_tokens = 0
 
     @property
+    def collected_at(self) -> float | None:
+        """When the last member arrived (None while collecting): the judge's limiter ranks by
+        it."""
+        return self.evaluating_at
+
+    @property
     def comparisons_left(self) -> int:
         """Comparisons not finished yet, started or not: the judge's limiter ranks by it."""
         return len(self.pairs) - len(self.results)

@@ -5,11 +5,16 @@ group finishes (the step's makespan is the same for every order that keeps the j
 :class:`OrderedLimiter` is a capacity limiter whose free token goes to the waiter ranked first
 by ``judge_order``:
 
-``closest_group`` (default)
+``complete_group`` (default)
+    groups that have all their members first, in the order they became complete; then groups
+    still collecting (eager pairs), oldest first. Work on a group's critical path goes first,
+    and no complete group waits behind one that completed later. Measured in the ``step``
+    bench against the others: with eager judging it beats ``arrival`` on both the median and
+    the tail of group latency at every capacity.
+``closest_group``
     the group with the fewest comparisons left (finished ones do not count; those whose members
-    have not arrived yet do), then the oldest group: complete groups with little work left
-    finish first, and still-collecting groups, whose pairs have slack until their last member
-    arrives, yield to them.
+    have not arrived yet do), then the oldest group: shortest work first, the lowest median
+    group latency, but a group with much work left can wait until the end (the worst tail).
 ``oldest_group``
     the group opened first.
 ``arrival``
@@ -30,8 +35,9 @@ from typing import Literal, Protocol
 
 import trio
 
-JudgeOrder = Literal["closest_group", "oldest_group", "arrival"]
-JUDGE_ORDERS: tuple[JudgeOrder, ...] = ("closest_group", "oldest_group", "arrival")
+JudgeOrder = Literal["complete_group", "closest_group", "oldest_group", "arrival"]
+JUDGE_ORDERS: tuple[JudgeOrder, ...] = ("complete_group", "closest_group", "oldest_group",
+                                        "arrival")
 
 
 class GroupProgress(Protocol):
@@ -42,6 +48,9 @@ class GroupProgress(Protocol):
 
     @property
     def comparisons_left(self) -> int: ...
+
+    @property
+    def collected_at(self) -> float | None: ...
 
 
 class _Waiter:
@@ -61,7 +70,7 @@ class OrderedLimiter:
     Safe to share between the tasks of one trio run.
     """
 
-    def __init__(self, total_tokens: int, order: JudgeOrder = "closest_group") -> None:
+    def __init__(self, total_tokens: int, order: JudgeOrder = "complete_group") -> None:
         if total_tokens < 1:
             raise ValueError(f"total_tokens must be >= 1, got {total_tokens!r}")
         if order not in JUDGE_ORDERS:
@@ -152,4 +161,9 @@ class OrderedLimiter:
             return (-1.0, 0.0, seq)
         if self._order == "oldest_group":
             return (0.0, group.opened_at, seq)
+        if self._order == "complete_group":
+            collected = group.collected_at
+            if collected is None:
+                return (1.0, group.opened_at, seq)
+            return (0.0, collected, seq)
         return (float(group.comparisons_left), group.opened_at, seq)
