@@ -62,6 +62,7 @@ async def stack(
         cfg = load_config(
             None,
             [
+                "port=0",  # not the default 8000: parallel test runs would collide
                 f"num_rollouts_per_prompt={n}",
                 "port=0",  # never the default 8000: other suites run at the same time
                 f"cohort_collection_timeout_s={collection_timeout_s}",
