@@ -50,6 +50,15 @@ def test_the_ideal_judge_queue_by_hand() -> None:
     assert step.ideal_makespan(eager, 1.0, 6, 0.0) == 5.0
 
 
+def test_the_smallest_capacity_for_a_perfect_judge_by_hand() -> None:
+    # Last arrival 4: within 10% means done by 4.4. With 0.25 s calls eager needs 2 slots (the
+    # two calls of the last member at 4.0, the rest trickled in before), wait_for_all 3 (group
+    # 0's three calls all land at 4.0).
+    assert step.smallest_capacity(ARRIVALS, CIRCULAR, 0.25, "eager") == 2
+    assert step.smallest_capacity(ARRIVALS, CIRCULAR, 0.25, "wait_for_all") == 3
+    assert step.smallest_capacity(ARRIVALS, CIRCULAR, 0.5, "eager") is None  # 4.5 > 4.4
+
+
 def test_the_default_sweep_spans_below_and_above_the_peak_demand() -> None:
     p = StepParams(n=8, k=16, judge_ms=500.0)
     caps = step.default_capacities(p)
@@ -101,3 +110,4 @@ async def test_the_step_preset_runs_both_schedules_side_by_side(tmp_path: Path) 
     assert "### step: makespan against judge capacity" in summary
     assert "| 1 | eager |" in summary and "| 6 | wait_for_all |" in summary
     assert "eager: smallest judge capacity finishing within 10% of the last arrival" in summary
+    assert "for a perfect judge on this trace" in summary

@@ -178,6 +178,26 @@ def ideal_makespan(ready: Sequence[float], judge_s: float, capacity: int,
     return end - first
 
 
+def smallest_capacity(arrivals: Sequence[Sequence[float]], pairs: Sequence[tuple[int, int]],
+                      judge_s: float, schedule: str, slack: float = 0.1) -> int | None:
+    """The smallest capacity with which a perfect judge fed by ``schedule`` finishes the step
+    within ``slack`` of its last arrival (both from the first arrival); ``None`` when even an
+    unlimited judge cannot (one judge call is longer than the slack)."""
+    first = min(min(g) for g in arrivals)
+    target = (1.0 + slack) * (max(max(g) for g in arrivals) - first)
+    ready = ready_times(arrivals, pairs, schedule)
+    lo, hi = 1, max(1, len(ready))
+    if ideal_makespan(ready, judge_s, hi, first) > target:
+        return None
+    while lo < hi:  # more slots never finish later
+        mid = (lo + hi) // 2
+        if ideal_makespan(ready, judge_s, mid, first) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def mean_demand(params: StepParams) -> float:
     """Judge calls in flight on average if all the step's judge work were spread evenly from
     the first pair ready to the last arrival: the capacity below which the judge, not the
@@ -381,9 +401,16 @@ def render_sweep(results: Sequence[Any]) -> str:
             f"| {f(row.get('utilisation'), 2)} | {f(row.get('wasted'), 0)} "
             f"| {'-' if same is None else ('yes' if same == 1.0 else 'NO')} |")
     lines.append("")
+    known = {f.name for f in fields(StepParams)} - {"capacities", "orders"}
+    params = StepParams(**{k: v for k, v in step[0].params.items() if k in known})
+    arrivals = arrival_trace(params)
     for key in dict.fromkeys(row["run"] for row in rows):
         fits = sorted(row["capacity"] for row in rows if row["run"] == key
                       and row.get("makespan_s", math.inf) <= 1.1 * row.get("last_arrival_s", 0))
+        model = smallest_capacity(arrivals, pairs_of(params), params.judge_s,
+                                  key.split("/", 1)[0])
         lines.append(f"- {key}: smallest judge capacity finishing within 10% of the last "
-                     f"arrival: {fits[0] if fits else 'none in the sweep'}")
+                     f"arrival: {fits[0] if fits else 'none in the sweep'} measured; "
+                     f"{model if model is not None else 'none'} for a perfect judge on this "
+                     "trace")
     return "\n".join(lines) + "\n"
