@@ -84,7 +84,7 @@ def test_overrides_are_parsed_and_bad_ones_name_the_key() -> None:
 async def test_the_step_preset_runs_both_schedules_side_by_side(tmp_path: Path) -> None:
     params = StepParams(n=3, k=3, median_gen_s=0.05, sigma=0.5, judge_ms=20.0,
                         capacities=(1, 6), seed=2)
-    assert {c.servers for c in bench.step_cases(params)} == {("ours",)}  # NeMo has no eager
+    assert {c.kinds for c in bench.step_cases(params)} == {("ours",)}  # NeMo has no eager
     results = await bench.run_bench(["step"], out_dir=tmp_path, kinds=("ours",),
                                     repeats=1, echo=lambda _: None, step_params=params)
     assert [r.params["capacity"] for r in results] == [1, 6]
