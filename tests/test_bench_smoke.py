@@ -76,7 +76,7 @@ async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> N
     """A few seconds of the soak against a real server: every kind of traffic is sent and
     classified, nothing unexpected comes back, and the resource series are sampled."""
     case = soak_case(duration_s=3.0, capacity_s=1.0, capacity_k=16, sample_s=0.2,
-                     rss_tolerance_mb=64.0)
+                     rss_tolerance_mb=64.0, collection_timeout_s=2.0)
     record = await case.run(bench.BenchContext(tmp_path, None), "ours", "soak-smoke")
     notes = record.notes
     assert notes["failed_checks"] == [], notes
@@ -94,7 +94,8 @@ async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> N
     for name in ("rss_start_mb", "rss_mid_mb", "rss_end_mb", "rss_slope_mb_per_min",
                  "fds_start", "fds_mid", "fds_end", "fds_slope_per_min"):
         assert name in record.metrics, name
-    assert notes["leftover"] == {"active cohorts": 0, "waiters": 0}
+    assert notes["leftover"] == {"active cohorts": 0, "waiters": 0,
+                                 "error lines in the server log": 0}, notes["logged_errors"]
 
 
 def _samples(rss_mb: list[float], fds: list[int]) -> list[SoakSample]:

@@ -197,3 +197,37 @@ async def test_a_judge_that_ignores_cancellation_cannot_hold_the_process(tmp_pat
     assert code == 0, f"exit {code} after {elapsed:.1f} s:\n{log_tail}"
     assert elapsed < GRACE_S + 1.0, f"exit took {elapsed:.2f} s:\n{log_tail}"
     assert "shutdown still not over" in log_tail, log_tail
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM semantics")
+async def test_a_second_signal_ends_the_grace_at_once(tmp_path: Path) -> None:
+    """With a long grace and a judge that ignores cancellation, a second SIGTERM ends the wait:
+    the process is gone shortly after it, not after the grace."""
+    (tmp_path / "stubborn_judge.py").write_text(_STUBBORN_PLUGIN)
+    long_grace_s = 60.0
+    settings = ["num_rollouts_per_prompt=2", "judge.plugin=stubborn_judge:judge",
+                f"shutdown_grace_s={long_grace_s}", "log_level=WARNING"]
+    async with serve_process(settings, tmp_path / "serve.log",
+                             python_path=(tmp_path,)) as server:
+        async with trio.open_nursery() as nursery:
+            for slot in (0, 1):
+                nursery.start_soon(http_call, server.host, server.port, "POST", "/verify",
+                                   _member("stubborn", slot, f"answer {slot}"))
+            with trio.fail_after(30):
+                while True:  # real process: poll until the cohort is being judged
+                    snapshot = await get_json(server.host, server.port, "/status")
+                    if snapshot["cohorts"]["evaluating"] == 1:
+                        break
+                    await trio.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            await trio.sleep(0.5)
+            assert server.proc.returncode is None  # the first signal waits out the grace
+            again = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(20):
+                await server.proc.wait()
+            elapsed = time.monotonic() - again
+            code = server.proc.returncode
+            log_tail = server.log_tail()
+    assert code == 0, f"exit {code} {elapsed:.1f} s after the second signal:\n{log_tail}"
+    assert elapsed < 2.0, f"exit took {elapsed:.2f} s after the second signal:\n{log_tail}"

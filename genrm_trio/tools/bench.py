@@ -379,6 +379,8 @@ class Rig:
     client: H11Client
     judge_client: H11Client
     run_tag: str
+    server_log: Path | None = None
+    """Where the server under test writes its log (stderr)."""
 
     def stats(self) -> loadgen.ProcStats:
         return read_proc_stats(self.server.pid)
@@ -439,7 +441,8 @@ async def _rig(
             client = H11Client(host, port)
             judge_client = H11Client(jhost, jport)
             try:
-                yield Rig(kind, judge_proc, server_proc, client, judge_client, tag)
+                yield Rig(kind, judge_proc, server_proc, client, judge_client, tag,
+                          server_log=logs / f"{label}-{kind}.log")
             finally:
                 await client.aclose()
                 await judge_client.aclose()

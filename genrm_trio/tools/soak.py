@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -58,17 +59,19 @@ __all__ = ["SoakSample", "hostile_requests", "soak_case", "soak_checks"]
 _encode = msgspec.json.Encoder().encode
 _HOSTILE_OK = frozenset({400, 405, 413, 415, 422})
 _MAX_REQUEST_BYTES = 1024 * 1024
-_COLLECTION_TIMEOUT_S = 5.0
 _EXAMPLES = 20
 
 
 @dataclass(frozen=True)
 class SoakSample:
-    """One sample of the server process: seconds since the soak started, RSS bytes, open fds."""
+    """One sample of the server process: seconds since the soak started, RSS bytes, open fds,
+    its CPU seconds so far and the machine's 1-minute load average (for reading a stall)."""
 
     t_s: float
     rss_bytes: int
     fds: int
+    cpu_s: float = 0.0
+    load_avg: float = 0.0
 
 
 def _window(samples: Sequence[SoakSample], warm_fraction: float) -> list[SoakSample]:
@@ -269,6 +272,7 @@ def soak_case(
     rss_tolerance_fraction: float = 0.10,
     fd_tolerance: int = 64,
     max_compare_responses: int = 128,
+    collection_timeout_s: float = 30.0,
 ) -> Case:
     """The soak: ``duration_s`` of open-loop load at ``load_fraction`` of the capacity measured
     first (closed loop, ``capacity_k`` cohorts in flight for ``capacity_s``; or
@@ -276,7 +280,9 @@ def soak_case(
     against a mock judge of ``judge_ms`` faulting on ``fault_rate`` of its calls. Of the cohorts,
     ``disconnect_fraction`` have one member hang up early and retry, ``abandon_fraction`` never
     send their last member; hostile requests arrive at ``hostile_fraction`` of the member rate.
-    See the module docstring for what passes. Ours only."""
+    ``collection_timeout_s`` is long enough that a normal cohort (members sent within 20 ms)
+    never meets it, even when a machine shared with other work stalls the load for seconds;
+    the abandoned cohorts wait it out. See the module docstring for what passes. Ours only."""
     params: dict[str, Any] = {
         "gate": True, "duration_s": duration_s, "n": n, "judge_ms": judge_ms,
         "load_fraction": load_fraction, "fault_rate": fault_rate,
@@ -284,9 +290,10 @@ def soak_case(
         "hostile_fraction": hostile_fraction, "sample_s": sample_s,
         "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
         "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
+        "collection_timeout_s": collection_timeout_s,
     }
     settings = ServerSettings(
-        n=n, collection_timeout_s=_COLLECTION_TIMEOUT_S, result_ttl_s=60.0,
+        n=n, collection_timeout_s=collection_timeout_s, result_ttl_s=60.0,
         max_terminal_cohorts=2000,
         ours_extra=(("max_request_bytes", str(_MAX_REQUEST_BYTES)),
                     ("cohort_evaluation_timeout_s", "60"), ("judge_request_timeout_s", "10"),
@@ -328,8 +335,10 @@ def soak_case(
 
         def sample() -> None:
             stats = loadgen.read_proc_stats(pid)
+            with open("/proc/loadavg", encoding="ascii") as f:
+                load_avg = float(f.read().split()[0])
             samples.append(SoakSample(time.perf_counter() - started, stats.rss_bytes,
-                                      loadgen.count_fds(pid)))
+                                      loadgen.count_fds(pid), stats.cpu_s, load_avg))
 
         async def sampler() -> None:
             while True:
@@ -416,7 +425,7 @@ def soak_case(
 
         async with trio.open_nursery() as watch:
             watch.start_soon(sampler)
-            with trio.move_on_after(duration_s + _COLLECTION_TIMEOUT_S + 120.0) as bounded:
+            with trio.move_on_after(duration_s + collection_timeout_s + 120.0) as bounded:
                 async with trio.open_nursery() as traffic:
                     traffic.start_soon(arrivals, traffic)
                     traffic.start_soon(hostile_arrivals, traffic)
@@ -424,13 +433,15 @@ def soak_case(
             watch.cancel_scope.cancel()
         load_s = time.perf_counter() - started
         await rig.client.aclose()
-        leftover = await _idle_status(rig)
+        leftover = await _idle_status(rig, collection_timeout_s + 30.0)
         if bounded.cancelled_caught:
             leftover["requests unanswered at the drain bound"] = 1
         fds_idle = loadgen.count_fds(pid)
         await rig.judge_client.request(
             "POST", "/admin/fault", _encode({"fault": "none", "count": None, "rate": 0.0}))
         judge_stats = msgspec.json.decode((await rig.judge_client.get("/admin/stats")).body)
+        errors = await trio.to_thread.run_sync(_logged_errors, rig.server_log)
+        leftover["error lines in the server log"] = len(errors)
         figures, failed = soak_checks(
             samples, unexpected=tally.unexpected, leftover=leftover,
             warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
@@ -462,11 +473,14 @@ def soak_case(
             "faults_injected": judge_stats.get("faults_injected", {}),
             "failed_checks": failed,
             "leftover": leftover,
+            "logged_errors": errors[:_EXAMPLES],
         }
         return RunRecord(metrics, {
             "t_s": [s.t_s for s in samples],
             "rss_mb": [s.rss_bytes / 2**20 for s in samples],
             "fds": [float(s.fds) for s in samples],
+            "server_cpu_s": [s.cpu_s for s in samples],
+            "load_avg": [s.load_avg for s in samples],
         }, notes)
 
     def resize(seconds: float) -> Case:
@@ -478,14 +492,25 @@ def soak_case(
             abandon_fraction=abandon_fraction, hostile_fraction=hostile_fraction,
             sample_s=sample_s, warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
             rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
-            max_compare_responses=max_compare_responses)
+            max_compare_responses=max_compare_responses,
+            collection_timeout_s=collection_timeout_s)
 
     return Case("soak", f"{duration_s:g}s-n{n}-load{load_fraction:g}", run, params,
                 kinds=("ours",),
                 resize=resize)
 
 
-async def _idle_status(rig: Rig, limit_s: float = _COLLECTION_TIMEOUT_S + 30.0) -> dict[str, int]:
+def _logged_errors(path: Path | None) -> list[str]:
+    """ERROR lines (and tracebacks) the server logged: an exception that escaped a request or
+    a cohort is a bug even when the client got its answer. Blocks (file read)."""
+    if path is None:
+        return []
+    text = path.read_text(errors="replace")
+    return [line[:300] for line in text.splitlines()
+            if '"level":"ERROR"' in line or " ERROR " in line or line.startswith("Traceback")]
+
+
+async def _idle_status(rig: Rig, limit_s: float) -> dict[str, int]:
     """Wait (bounded) until the server holds no active cohort and no waiter; what is left."""
     cohorts: dict[str, int] = {}
     with trio.move_on_after(limit_s):
