@@ -54,6 +54,7 @@ from genrm_trio.tools.loadgen import (
     percentile,
     read_proc_stats,
 )
+from genrm_trio.tools.processes import stop_process
 
 __all__ = [
     "PRESETS",
@@ -188,7 +189,7 @@ async def launch_process(
                 try:
                     yield proc
                 finally:
-                    await _stop(process)
+                    await stop_process(process, _STOP_GRACE_S)
                     nursery.cancel_scope.cancel()
         finally:
             if process.returncode is None:
@@ -201,16 +202,6 @@ def _open_log(path: Path) -> BinaryIO:
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "ab")  # noqa: SIM115 - closed by the caller's with-block
 
-
-async def _stop(process: trio.Process) -> None:
-    with trio.move_on_after(_STOP_GRACE_S, shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-        await process.wait()
-    if process.returncode is None:
-        process.kill()
-        with trio.move_on_after(_STOP_GRACE_S, shield=True):
-            await process.wait()
 
 
 # -- the two servers ---------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import trio
+
+from genrm_trio.tools.processes import stop_process
 
 __all__ = [
     "REPLICA_HEADER",
@@ -172,7 +173,7 @@ async def open_haproxy(
             await _wait_ready(proxy)
             yield proxy
         finally:
-            await _stop(process)
+            await stop_process(process, _STOP_GRACE_S)
 
 
 def _prepare(config: Path, cfg_path: Path, replicas: int,
@@ -203,14 +204,3 @@ async def _wait_ready(proxy: Haproxy) -> None:
     raise HaproxyError(
         f"haproxy did not become ready (exit code {proxy.process.returncode})"
     )
-
-
-async def _stop(process: trio.Process) -> None:
-    with trio.move_on_after(_STOP_GRACE_S, shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-        await process.wait()
-    if process.returncode is None:
-        process.kill()
-        with trio.move_on_after(_STOP_GRACE_S, shield=True):
-            await process.wait()
