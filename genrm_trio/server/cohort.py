@@ -619,7 +619,7 @@ class CohortRegistry:
             rewards, _metrics = scoring.aggregate(comparisons, responses, self._cfg)
             if len(rewards) != cohort.size or not all(math.isfinite(r) for r in rewards):
                 raise GenRMError(f"aggregation gave {rewards!r} for {cohort.size} rollouts")
-        except (GenRMError, ArithmeticError, ValueError) as exc:
+        except GenRMError as exc:  # anything else is a bug: the task boundary logs it
             self._fail(cohort, self._failure(
                 cohort, 503, "evaluation_error", f"reward aggregation failed: {exc}"))
             return

@@ -38,6 +38,7 @@ import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from genrm_trio.errors import GenRMError
@@ -68,7 +69,7 @@ CREATE INDEX IF NOT EXISTS watermarks_seq ON watermarks (seq);
 FILE_NAME = "genrm-trio-state.sqlite3"
 
 _MAX_ERROR_CHARS = 300
-_FAILURE_FIELDS = {"status": int, "kind": str, "detail": str, "masked": bool}
+_FAILURE_FIELDS = MappingProxyType({"status": int, "kind": str, "detail": str, "masked": bool})
 
 
 class JournalError(GenRMError):
