@@ -16,6 +16,8 @@ from typing import Any
 import h11
 import trio
 
+from tests.server_helpers import read_answer
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -98,21 +100,8 @@ async def http_call(
                    ("Content-Type", "application/json"), ("Connection", "close")]
         await stream.send_all(conn.send(h11.Request(method=method, target=path, headers=headers))
                               + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
-        status, answer_headers, raw = 0, {}, b""
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError:
-                return 0, {}, b""
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-                answer_headers = {k.decode(): v.decode() for k, v in event.headers}
-            elif isinstance(event, h11.Data):
-                raw += event.data
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                return status, answer_headers, raw
+        answer = await read_answer(stream, conn)
+        return answer if answer is not None else (0, {}, b"")
 
 
 async def get_json(host: str, port: int, path: str) -> Any:

@@ -26,6 +26,36 @@ async def running_server(cfg: Config) -> AsyncIterator[str]:
             stop.set()
 
 
+Answer = tuple[int, dict[str, str], bytes]
+
+
+async def read_answer(stream: trio.abc.Stream, conn: h11.Connection) -> Answer | None:
+    """Read one answer from ``stream`` through the client-side ``conn``: (status, headers,
+    body), or None when the server closed the connection (or broke the protocol) before a
+    complete answer. A reset reads as a close."""
+    status, headers, body = 0, {}, b""
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError:
+            return None
+        if event is h11.NEED_DATA:
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                data = b""
+            conn.receive_data(data)
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+            headers = {k.decode(): v.decode() for k, v in event.headers}
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return status, headers, body
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
 async def raw_http(
     url: str, requests: list[tuple[str, str, bytes]], timeout_s: float = 10.0,
 ) -> list[tuple[int, dict[str, str], bytes]]:
@@ -47,21 +77,10 @@ async def raw_http(
                                                             headers=headers)))
                 await stream.send_all(conn.send(h11.Data(data=payload)))
                 await stream.send_all(conn.send(h11.EndOfMessage()))
-                status, answer_headers, body = 0, {}, b""
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        conn.receive_data(await stream.receive_some(65536))
-                    elif isinstance(event, h11.Response):
-                        status = event.status_code
-                        answer_headers = {k.decode(): v.decode() for k, v in event.headers}
-                    elif isinstance(event, h11.Data):
-                        body += event.data
-                    elif isinstance(event, h11.EndOfMessage):
-                        out.append((status, answer_headers, body))
-                        break
-                    elif isinstance(event, h11.ConnectionClosed):
-                        return out
+                answer = await read_answer(stream, conn)
+                if answer is None:
+                    return out
+                out.append(answer)
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     break
                 conn.start_next_cycle()

@@ -21,7 +21,7 @@ import trio
 from genrm_trio.config import Config
 from genrm_trio.wire import INT64_MAX, MAX_IDENTITY_CHARS, MAX_JSON_DEPTH
 from tests.lifecycle_helpers import body
-from tests.server_helpers import running_server
+from tests.server_helpers import read_answer, running_server
 
 N = 2
 MAX_BYTES = 64 * 1024
@@ -211,22 +211,9 @@ async def exchange(url: str, case: Case) -> tuple[int, dict[str, str], bytes]:
         elif payload:
             await stream.send_all(conn.send(h11.Data(data=payload)))
             await stream.send_all(conn.send(h11.EndOfMessage()))
-        status, answer_headers, content = 0, {}, b""
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    data = await stream.receive_some(65536)
-                except trio.BrokenResourceError:  # reset after an early answer
-                    data = b""
-                conn.receive_data(data)
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-                answer_headers = {k.decode(): v.decode() for k, v in event.headers}
-            elif isinstance(event, h11.Data):
-                content += event.data
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return status, answer_headers, content
+        answer = await read_answer(stream, conn)
+        assert answer is not None, f"{case.name}: the connection closed without an answer"
+        return answer
 
 
 @pytest.fixture
