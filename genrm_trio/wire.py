@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import MappingProxyType
 from typing import Annotated, Any
 
@@ -60,8 +61,12 @@ _INTERPRETED_KEYS: tuple[str, ...] = (
     "group_attempt", "_ng_rollout_index", "_ng_task_index", "prompt_id", "principle",
     "instance_config",
 )
-_QUOTED_KEYS: tuple[tuple[str, bytes], ...] = tuple(
-    (k, json.dumps(k).encode()) for k in _INTERPRETED_KEYS
+# Where an interpreted key may be a member name: the quoted name and then a colon. (A value
+# such as "object": "response" is no candidate, which a bare count of the quoted name found in
+# every Responses object.) A name written with escapes (\u0072esponse) is found by the check
+# for a backslash-u in the body instead.
+_KEY_CANDIDATE = re.compile(
+    rb'"(' + b"|".join(re.escape(k.encode()) for k in _INTERPRETED_KEYS) + rb')"[ \t\r\n]*:'
 )
 
 
@@ -190,9 +195,13 @@ def _duplicated_key(raw: bytes) -> str | None:
 
     JSON parsers disagree on duplicated names (first or last wins), so a body that names one of
     these twice could be routed by one value (a proxy) and judged by another: refused. The cheap
-    byte count finds candidates; only then is the top level parsed with every pair kept."""
-    if not any(raw.count(quoted) > 1 for _key, quoted in _QUOTED_KEYS):
-        return None
+    byte scan finds candidates (an interpreted name followed by a colon more than once, or any
+    ``\\u`` escape, which could spell a name); only then is the top level parsed with every pair
+    kept."""
+    if b"\\u" not in raw:
+        candidates = _KEY_CANDIDATE.findall(raw)
+        if len(candidates) == len(set(candidates)):
+            return None
     top: list[list[tuple[str, Any]]] = []
 
     def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -206,7 +215,7 @@ def _duplicated_key(raw: bytes) -> str | None:
     if not top:
         return None
     names = [name for name, _value in top[-1]]  # the outermost object is completed last
-    for key, _quoted in _QUOTED_KEYS:
+    for key in _INTERPRETED_KEYS:
         if names.count(key) > 1:
             return key
     return None

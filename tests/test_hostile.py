@@ -132,6 +132,13 @@ CASES = [
          GOOD[:-1] + b', "_ng_rollout_index": 1}', 400, "$._ng_rollout_index"),
     Case("duplicated group id", "/verify", GOOD[:-1] + b', "_ng_group_id": "other"}', 400,
          "$._ng_group_id"),
+    Case("duplicated group id in a body naming \"response\" as a value", "/verify",
+         verify(response={"id": "r", "object": "response", "output": []})[:-1]
+         + b', "_ng_group_id": "other"}', 400, "$._ng_group_id"),
+    Case("duplicated group id with blanks before its colon", "/verify",
+         GOOD[:-1] + b', "_ng_group_id" \n\t : "other"}', 400, "$._ng_group_id"),
+    Case("duplicated group id spelled with an escape", "/verify",
+         GOOD[:-1] + b', "\\u005fng_group_id": "other"}', 400, "$._ng_group_id"),
     Case("alias and canonical disagree", "/verify", verify(group_id="another"), 400,
          "group_id"),
     # --- /verify: headers and framing

@@ -208,9 +208,10 @@ class VerifyEndpoint:
     sit here for the whole collection deadline); Quart's request context, werkzeug headers and
     two helper tasks per request cost about a fifth of the server's CPU. Here: the body is read
     whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded, handed to
-    the registry, and the answer sent. One watcher task per waiting request turns the client's
-    ``http.disconnect`` into a cancellation of this request's scope, which removes only its own
-    waiter (the registry's ``finally``).
+    the registry, and the answer sent. While it waits, the handler's own task reads the connection
+    (:meth:`CohortRegistry.verify_unless_gone`): the client's ``http.disconnect`` removes only its
+    own waiter, and the cohort's resolution interrupts the read. No task is started per request,
+    and the answer's two ASGI messages are sent under one shielded, bounded scope.
     """
 
     def __init__(self, cfg: Config, registry: CohortRegistry,
@@ -250,11 +251,8 @@ class VerifyEndpoint:
         if self._cfg.num_rollouts_per_prompt <= 1:
             await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
             return "rewarded"
-        outcome: Outcome | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            outcome = await self._registry.verify(member)
-            nursery.cancel_scope.cancel()
+        outcome = await self._registry.verify_unless_gone(
+            member, lambda: _until_disconnect(receive))
         if outcome is None:  # the client went away; nobody to answer
             self._disconnects.note()
             return "disconnected"
@@ -333,10 +331,11 @@ def _read_timeout_detail(cfg: Config) -> str:
             f"({cfg.request_read_timeout_s:g} s)")
 
 
-async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:
+async def _until_disconnect(receive: Any) -> None:
+    """Returns when the client has gone away (``http.disconnect``). The body was read whole
+    before, so nothing else arrives meanwhile."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    scope.cancel()
 
 
 async def _send_json(send: Any, status: int, body: Any,
@@ -367,14 +366,24 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
             await app(scope, receive, send)
             return
 
+        start: Any = None
+
         async def shielded_send(message: Any) -> None:
             # Hypercorn closes a `Connection: close` socket inside the app's last send();
             # quart-trio cancels its request nursery as soon as hypercorn reports the stream
             # done, which cancelled that close half-way and left the client hanging. Shield the
             # send so the close always completes, bounded by the grace and by the shutdown
-            # deadline: one for all sends, not a fresh grace for each.
+            # deadline: one for all sends, not a fresh grace for each. The response's start is
+            # held back and sent with its first body message, under the same one scope.
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
             with shutdown.scope(bound_s=grace_s, shield=True):
                 try:
+                    if start is not None:
+                        first, start = start, None
+                        await send(first)
                     await send(message)
                 except trio.BusyResourceError:
                     # Hypercorn shuts the socket's sending side down (its connection close,

@@ -8,8 +8,10 @@ inside that task. The task is a containment boundary: any exception inside it fa
 alone with 503 ``evaluation_error`` (logged once with its traceback); it never reaches the
 registry's nursery, so every other cohort and the process go on. A ``/verify`` handler never owns
 shared work: it registers its member synchronously (before any ``await``, so concurrent first
-arrivals cannot open two cohorts), then waits on the cohort's ``done`` event. Cancelling the
-handler (client gone) removes only its waiter.
+arrivals cannot open two cohorts), then waits for the cohort to resolve: on its ``done`` event,
+or, for an HTTP handler, reading its own connection until the cohort's resolution cancels that
+read (:meth:`CohortRegistry.verify_unless_gone`: no task per waiter). Cancelling the handler, or
+the client hanging up, removes only its waiter.
 
 Every phase change goes through one function (:meth:`CohortRegistry._transition`), a compare-and-
 set on the expected phase, done synchronously between checkpoints, so each race (final arrival
@@ -33,7 +35,7 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -130,7 +132,7 @@ class Cohort:
         "key", "size", "prompt_digest", "history", "principle",
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
-        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
+        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
     )
 
     def __init__(
@@ -152,6 +154,8 @@ class Cohort:
         self.scope = trio.CancelScope()
         self.arrival = trio.Event()
         self.done = trio.Event()
+        # Cancel scopes of waiters that watch their connection meanwhile (verify_unless_gone).
+        self.wakers: set[trio.CancelScope] = set()
         self.pairs = pairs
         self.started_pairs: set[int] = set()
         self.results: dict[int, scoring.Verdict] = {}
@@ -160,6 +164,12 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
+
+    def release(self) -> None:
+        """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
+        self.done.set()
+        for wake in self.wakers:
+            wake.cancel()
 
     @property
     def collected_at(self) -> float | None:
@@ -302,6 +312,23 @@ class CohortRegistry:
         stays and the cohort goes on. Returns the member's reward or an explicit failure; never
         raises for a documented condition.
         """
+        outcome = await self._verify(member, None)
+        assert outcome is not None  # only a client_gone wait ends without an outcome
+        return outcome
+
+    async def verify_unless_gone(
+        self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]],
+    ) -> Outcome | None:
+        """:meth:`verify` for an HTTP handler: while the member waits, ``client_gone()`` runs in
+        the handler's own task (it reads the connection until the client hangs up) and the
+        cohort's resolution interrupts it. Returns the outcome, or None when ``client_gone``
+        returned first: then only this waiter was removed, as for a cancelled :meth:`verify`.
+        No task is started: waiting costs one cancel scope, however many members wait."""
+        return await self._verify(member, client_gone)
+
+    async def _verify(
+        self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]] | None,
+    ) -> Outcome | None:
         admitted = self._admit(member)
         if not isinstance(admitted, tuple):
             self.counters[_outcome_label(admitted)] += 1
@@ -314,7 +341,19 @@ class CohortRegistry:
         self._waiters += 1
         self._duplicate_bytes += held
         try:
-            await cohort.done.wait()
+            if client_gone is None:
+                await cohort.done.wait()
+            elif not cohort.done.is_set():
+                # _release cancels this scope when the cohort resolves; until then the
+                # handler watches its own connection.
+                with trio.CancelScope() as wake:
+                    cohort.wakers.add(wake)
+                    try:
+                        await client_gone()
+                    finally:
+                        cohort.wakers.discard(wake)
+                if not wake.cancelled_caught:
+                    return None  # the client went away first
         finally:
             self._waiters -= 1
             self._duplicate_bytes -= held
@@ -634,7 +673,7 @@ class CohortRegistry:
                        f"{cohort.defaulted} of {len(cohort.pairs)} comparisons defaulted")
         self._retire(cohort)
         self.counters["cohorts_completed"] += 1
-        cohort.done.set()
+        cohort.release()
 
     # ------------------------------------------------------------------ failure & retention
 
@@ -649,7 +688,7 @@ class CohortRegistry:
         self._disposed(cohort, failure.kind, bound_text(failure.detail, 300))
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
-        cohort.done.set()
+        cohort.release()
         cohort.scope.cancel()
         return True
 

@@ -29,8 +29,8 @@ import math
 import os
 import socket
 import stat
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+from types import TracebackType
 
 import trio
 
@@ -83,25 +83,42 @@ class ShutdownDeadline:
         for scope, (own, after_s) in self._scopes.items():
             scope.deadline = min(own, deadline + after_s)
 
-    @contextmanager
     def scope(
         self, *, bound_s: float = math.inf, after_s: float = 0.0, shield: bool = False,
-    ) -> Iterator[trio.CancelScope]:
+    ) -> _DeadlineScope:
         """A cancel scope that ends at ``now + bound_s`` or at the shutdown deadline plus
         ``after_s``, whichever comes first, following the deadline when shutdown begins (or is
         cut short) while the scope is open. ``shield=True`` protects the body from outer
         cancellation (cleanup that must run in a cancelled task), the deadline still bounding
         it. Like ``move_on_after``: the scope swallows its own cancellation
-        (``cancelled_caught``)."""
-        own = trio.current_time() + bound_s
-        cancel_scope = trio.CancelScope(deadline=min(own, self.deadline + after_s),
-                                        shield=shield)
-        self._scopes[cancel_scope] = (own, after_s)
-        try:
-            with cancel_scope:
-                yield cancel_scope
-        finally:
-            del self._scopes[cancel_scope]
+        (``cancelled_caught``). Use it as a context manager (``with deadline.scope(...) as
+        cancel_scope``); it is cheap (every answer the server sends is bounded by one)."""
+        return _DeadlineScope(self, trio.current_time() + bound_s, after_s, shield)
+
+
+class _DeadlineScope:
+    """What :meth:`ShutdownDeadline.scope` returns: registers its cancel scope with the
+    deadline while open, so a shutdown that begins meanwhile moves its deadline. A plain class
+    rather than a generator context manager: one is entered per answer sent."""
+
+    __slots__ = ("_owner", "_own", "_after_s", "_scope")
+
+    def __init__(self, owner: ShutdownDeadline, own: float, after_s: float,
+                 shield: bool) -> None:
+        self._owner = owner
+        self._own = own
+        self._after_s = after_s
+        self._scope = trio.CancelScope(deadline=min(own, owner.deadline + after_s),
+                                       shield=shield)
+
+    def __enter__(self) -> trio.CancelScope:
+        self._owner._scopes[self._scope] = (self._own, self._after_s)
+        return self._scope.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        del self._owner._scopes[self._scope]
+        return self._scope.__exit__(exc_type, exc, tb)
 
 
 def _open_fds() -> Iterable[int]:
