@@ -494,6 +494,8 @@ def aggregate(
     comparisons: Sequence[Comparison],
     responses: Sequence[Mapping[str, Any]],
     cfg: Config,
+    *,
+    with_metrics: bool = True,
 ) -> tuple[list[float], dict[str, float]]:
     """Turn a cohort's judged pairs into one reward per response (``simple_tiebreaker``).
 
@@ -502,7 +504,8 @@ def aggregate(
     wait-for-all judging give bit-identical rewards). Returns ``(rewards, metrics)``: rewards in
     response order, and metrics ``mean_individual_score`` / ``std_individual_score`` (population
     statistics of the raw judge scores) and ``tiebreak_usage_rate`` (share of comparisons with
-    equal scores); metrics is empty when there are no comparisons.
+    equal scores); metrics is empty when there are no comparisons or ``with_metrics`` is false
+    (the cohort path, which publishes rewards only, skips the statistics).
 
     Never blocks. Raises :class:`GenRMError` if a comparison names a response out of range or
     holds a value beyond :data:`MAX_VERDICT_MAGNITUDE`, the
@@ -563,7 +566,7 @@ def aggregate(
         raise GenRMError(f"non-finite reward for response(s) {bad[:8]}")
 
     metrics: dict[str, float] = {}
-    if ordered:
+    if ordered and with_metrics:
         metrics["mean_individual_score"] = statistics.fmean(raw_scores)
         metrics["std_individual_score"] = statistics.pstdev(raw_scores)
         metrics["tiebreak_usage_rate"] = ties / len(ordered)

@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from genrm_trio.config import Config
-from genrm_trio.server.cohort import Failure, Rewarded
+from genrm_trio.server.cohort import DISCONNECT_WATCH_AFTER_S, Failure, Rewarded
 from genrm_trio.wire import LEGACY_GUIDANCE
 from tests.lifecycle_helpers import (
     Outcomes,
@@ -395,3 +395,68 @@ async def test_eager_schedule_gives_the_same_rewards_earlier(
     assert results["eager"][0] == results["wait_for_all"][0]
     assert results["wait_for_all"][1] == 15.0 + 4.0
     assert results["eager"][1] == 15.0 + 4.0  # the pairs with the last member still take 4 s
+
+
+async def test_a_handler_watching_its_connection_is_woken_by_its_cohort(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """An HTTP handler's member (verify_unless_gone) that waits past DISCONNECT_WATCH_AFTER_S
+    reads its connection meanwhile; its cohort's resolution must still wake it at once, with
+    the same rewards as plain waiters, and leave no waiter behind."""
+    cfg = cfg_for()
+    judge = ScriptedJudge(latency_s=1.0)
+    expected = reference_rewards(cfg, [answer(s) for s in range(N)])
+    still_connected = trio.Event()  # never set: the client stays
+    got: dict[int, tuple[float, object]] = {}
+    async with open_registry(cfg, judge) as registry:
+
+        async def handler(slot: int) -> None:
+            outcome = await registry.verify_unless_gone(member(cfg, slot), still_connected.wait)
+            got[slot] = (trio.current_time(), outcome)
+
+        with trio.fail_after(100):  # a waiter nobody wakes would hang here (virtual time)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handler, 0)
+                await trio.sleep(DISCONNECT_WATCH_AFTER_S * 5)  # long past the watch start
+                assert registry.snapshot()["waiters"] == 1
+                for slot in range(1, N):
+                    nursery.start_soon(handler, slot)
+        start = DISCONNECT_WATCH_AFTER_S * 5
+        assert {t for t, _ in got.values()} == {start + 1.0}  # one judge latency later
+        rewards = [got[s][1] for s in range(N)]
+        assert all(isinstance(r, Rewarded) for r in rewards)
+        assert [r.reward for r in rewards if isinstance(r, Rewarded)] == expected
+        assert registry.snapshot()["waiters"] == 0
+
+
+async def test_a_client_gone_removes_only_its_waiter_within_the_watch_delay(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A handler whose client hangs up gets None (nobody to answer) no later than
+    DISCONNECT_WATCH_AFTER_S after it arrived, or at once when it hangs up later; its waiter
+    goes, its member stays, and the cohort completes for the others."""
+    cfg = cfg_for()
+    judge = ScriptedJudge(latency_s=1.0)
+    early_gone, late_gone, stays = trio.Event(), trio.Event(), trio.Event()
+    got: dict[str, tuple[float, object]] = {}
+    async with open_registry(cfg, judge) as registry:
+
+        async def handler(name: str, slot: int, gone: trio.Event) -> None:
+            outcome = await registry.verify_unless_gone(member(cfg, slot), gone.wait)
+            got[name] = (trio.current_time(), outcome)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handler, "early", 0, early_gone)
+            nursery.start_soon(handler, "late", 1, late_gone)
+            await trio.sleep(0.25)
+            early_gone.set()  # hangs up before the watch starts
+            await trio.sleep(DISCONNECT_WATCH_AFTER_S * 3)
+            late_gone.set()  # hangs up while watched
+            await trio.testing.wait_all_tasks_blocked()
+            assert got["early"] == (DISCONNECT_WATCH_AFTER_S, None)
+            assert got["late"] == (0.25 + DISCONNECT_WATCH_AFTER_S * 3, None)
+            assert registry.snapshot()["waiters"] == 0
+            assert registry.snapshot()["active_cohorts"] == 1  # the members stay
+            for slot in range(2, N):
+                nursery.start_soon(handler, f"m{slot}", slot, stays)
+    assert all(isinstance(got[f"m{s}"][1], Rewarded) for s in range(2, N))

@@ -62,12 +62,12 @@ async def test_a_crashing_cohort_fails_alone_and_is_logged_once(
     real_aggregate = scoring.aggregate
     crashes = 0
 
-    def sometimes_broken(comparisons: Any, responses: Any, config: Config) -> Any:
+    def sometimes_broken(comparisons: Any, responses: Any, config: Config, **kw: Any) -> Any:
         nonlocal crashes
         if any("crash" in str(r) for r in responses):
             crashes += 1
             raise KeyError("a bug nobody anticipated")
-        return real_aggregate(comparisons, responses, config)
+        return real_aggregate(comparisons, responses, config, **kw)
 
     monkeypatch.setattr(scoring, "aggregate", sometimes_broken)
     caplog.set_level(logging.ERROR, logger="genrm_trio.server.cohort")

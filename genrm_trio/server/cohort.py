@@ -53,6 +53,10 @@ from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
 logger = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_AFTER_S = 1.0
+DISCONNECT_WATCH_AFTER_S = 1.0
+"""How long a waiting ``/verify`` member waits before it watches its connection: a client
+that hangs up is noticed (its waiter removed) at most this long after it arrived or at once
+afterwards (README, "HTTP API")."""
 
 
 class Phase(enum.Enum):
@@ -343,8 +347,15 @@ class CohortRegistry:
         try:
             if client_gone is None:
                 await cohort.done.wait()
-            elif not cohort.done.is_set():
-                # _release cancels this scope when the cohort resolves; until then the
+                return self._outcome(cohort, slot)
+            # Under load most cohorts resolve within moments of a member's arrival (the other
+            # members are on their way): wait for that on the event alone, the cheapest wake
+            # there is. Only a member still waiting after DISCONNECT_WATCH_AFTER_S watches its
+            # connection, woken by a cancellation (which costs trio several times more).
+            with trio.move_on_after(DISCONNECT_WATCH_AFTER_S):
+                await cohort.done.wait()
+            if not cohort.done.is_set():
+                # release() cancels this scope when the cohort resolves; until then the
                 # handler watches its own connection.
                 with trio.CancelScope() as wake:
                     cohort.wakers.add(wake)
@@ -357,6 +368,10 @@ class CohortRegistry:
         finally:
             self._waiters -= 1
             self._duplicate_bytes -= held
+        return self._outcome(cohort, slot)
+
+    def _outcome(self, cohort: Cohort, slot: int) -> Outcome:
+        """A released waiter's outcome (counted once per waiter)."""
         outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot], cohort.defaulted)
         self.counters[_outcome_label(outcome)] += 1
         return outcome
@@ -655,7 +670,8 @@ class CohortRegistry:
         ]
         responses = [cohort.members[slot].response for slot in range(cohort.size)]
         try:
-            rewards, _metrics = scoring.aggregate(comparisons, responses, self._cfg)
+            rewards, _ = scoring.aggregate(comparisons, responses, self._cfg,
+                                           with_metrics=False)
             if len(rewards) != cohort.size or not all(math.isfinite(r) for r in rewards):
                 raise GenRMError(f"aggregation gave {rewards!r} for {cohort.size} rollouts")
         except GenRMError as exc:  # anything else is a bug: the task boundary logs it
