@@ -34,7 +34,7 @@ import enum
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -53,10 +53,12 @@ from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
 logger = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_AFTER_S = 1.0
-DISCONNECT_WATCH_AFTER_S = 1.0
-"""How long a waiting ``/verify`` member waits before it watches its connection: a client
-that hangs up is noticed (its waiter removed) at most this long after it arrived or at once
-afterwards (README, "HTTP API")."""
+DISCONNECT_WATCH_AFTER_S = 0.5
+"""How long after a cohort opened its waiting ``/verify`` members start to watch their
+connections: a client that hangs up is noticed (its waiter removed) once its cohort is this
+old, at once after that (README, "HTTP API")."""
+_WATCH_SLACK_S = 0.1
+# The watch timer starts every cohort due within this much of the one it woke for.
 
 
 class Phase(enum.Enum):
@@ -137,6 +139,7 @@ class Cohort:
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
+        "wake", "watching",
     )
 
     def __init__(
@@ -158,7 +161,11 @@ class Cohort:
         self.scope = trio.CancelScope()
         self.arrival = trio.Event()
         self.done = trio.Event()
-        # Cancel scopes of waiters that watch their connection meanwhile (verify_unless_gone).
+        # HTTP handlers' waiters (verify_unless_gone) wait on `wake`: set when the cohort
+        # resolves or, once it is DISCONNECT_WATCH_AFTER_S old, by the registry's watch timer
+        # (`watching`); from then on they watch their connections in these cancel scopes.
+        self.wake = trio.Event()
+        self.watching = False
         self.wakers: set[trio.CancelScope] = set()
         self.pairs = pairs
         self.started_pairs: set[int] = set()
@@ -172,8 +179,14 @@ class Cohort:
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
         self.done.set()
+        self.wake.set()
         for wake in self.wakers:
             wake.cancel()
+
+    def start_watching(self) -> None:
+        """From now on its HTTP handlers' waiters watch their connections. Synchronous."""
+        self.watching = True
+        self.wake.set()
 
     @property
     def collected_at(self) -> float | None:
@@ -232,8 +245,12 @@ class CohortRegistry:
     """
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
-                 journal: Journal | None = None, observer: CohortObserver | None = None) -> None:
+                 journal: Journal | None = None, observer: CohortObserver | None = None,
+                 *, service: trio.Nursery | None = None) -> None:
         self._cfg = cfg
+        # Where the watch timer runs (apart from the cohort tasks); without one, waiters watch
+        # their connections from the start.
+        self._service = service
         self._observer = observer
         self._judge = judge
         self._nursery = nursery
@@ -250,6 +267,11 @@ class CohortRegistry:
         self._watermark_cap = 2 * cfg.max_terminal_cohorts
         self.watermark_visits = 0
         self._waiters = 0
+        # Cohorts by the time their waiters start watching connections (open order), and the
+        # one task that starts them (_watch_timer, in the registry's nursery).
+        self._watch_due: deque[tuple[float, Cohort]] = deque()
+        self._watch_queued = trio.Event()
+        self._watch_timer_scope: trio.CancelScope | None = None
         self._shutting_down = False
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
@@ -263,12 +285,13 @@ class CohortRegistry:
                    observer: CohortObserver | None = None) -> AsyncIterator[CohortRegistry]:
         """Open a registry with its own nursery for the lifetime of the block.
 
-        Cohort tasks run in that nursery only. Leaving the block (normally or by an exception)
-        fails every active cohort with ``shutdown`` first, so each waiter is answered and every
-        cohort task ends promptly; the block then waits for them. Cohort failures never
-        propagate out of here (each cohort task contains its own)."""
-        async with trio.open_nursery() as nursery:
-            registry = cls(cfg, judge, nursery, journal, observer)
+        Cohort tasks run in that nursery only; the one watch timer (see
+        :meth:`verify_unless_gone`) in a second one beside it. Leaving the block (normally or
+        by an exception) fails every active cohort with ``shutdown`` first, so each waiter is
+        answered and every cohort task ends promptly; the block then waits for them. Cohort
+        failures never propagate out of here (each cohort task contains its own)."""
+        async with trio.open_nursery() as service, trio.open_nursery() as nursery:
+            registry = cls(cfg, judge, nursery, journal, observer, service=service)
             try:
                 yield registry
             finally:
@@ -348,12 +371,12 @@ class CohortRegistry:
             if client_gone is None:
                 await cohort.done.wait()
                 return self._outcome(cohort, slot)
-            # Under load most cohorts resolve within moments of a member's arrival (the other
-            # members are on their way): wait for that on the event alone, the cheapest wake
-            # there is. Only a member still waiting after DISCONNECT_WATCH_AFTER_S watches its
-            # connection, woken by a cancellation (which costs trio several times more).
-            with trio.move_on_after(DISCONNECT_WATCH_AFTER_S):
-                await cohort.done.wait()
+            # A cohort that resolves soon (the common case under load, when the judge is fast
+            # and this server's CPU is what counts) wakes its waiters by one event, the
+            # cheapest wake there is. Waiters of older cohorts watch their connections,
+            # woken by a cancellation (which costs trio several times more).
+            if not cohort.watching:
+                await cohort.wake.wait()
             if not cohort.done.is_set():
                 # release() cancels this scope when the cohort resolves; until then the
                 # handler watches its own connection.
@@ -382,6 +405,9 @@ class CohortRegistry:
         if self._shutting_down:
             return
         self._shutting_down = True
+        if self._watch_timer_scope is not None:
+            self._watch_timer_scope.cancel()
+        self._watch_due.clear()
         failure = Failure(503, "shutdown", "the server is shutting down")
         for cohort in list(self._active.values()):
             self._fail(cohort, failure)
@@ -535,7 +561,32 @@ class CohortRegistry:
             self._idle_groups.pop(key.group_id, None)  # active groups are never evicted
         self.counters["cohorts_opened"] += 1
         self._nursery.start_soon(self._run_cohort, cohort)
+        if self._service is None:
+            cohort.start_watching()
+            return cohort
+        self._watch_due.append((now + DISCONNECT_WATCH_AFTER_S, cohort))
+        self._watch_queued.set()
+        if self._watch_timer_scope is None:
+            self._watch_timer_scope = trio.CancelScope()
+            self._service.start_soon(self._watch_timer, self._watch_timer_scope)
         return cohort
+
+    async def _watch_timer(self, scope: trio.CancelScope) -> None:
+        """Start the connection watch of each cohort still active when it is due (see
+        :meth:`verify_unless_gone`). One task for the registry, sleeping until the next due
+        cohort; ended by :meth:`begin_shutdown`."""
+        with scope:
+            while True:
+                if not self._watch_due:
+                    self._watch_queued = trio.Event()
+                    await self._watch_queued.wait()
+                    continue
+                await trio.sleep_until(self._watch_due[0][0])
+                horizon = trio.current_time() + _WATCH_SLACK_S
+                while self._watch_due and self._watch_due[0][0] <= horizon:
+                    _, cohort = self._watch_due.popleft()
+                    if cohort.phase in ACTIVE_PHASES:
+                        cohort.start_watching()
 
     def _add_member(self, cohort: Cohort, slot: int, digest: str, member: VerifyMember) -> None:
         response = member.fields.response
