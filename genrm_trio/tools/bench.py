@@ -51,6 +51,7 @@ from genrm_trio.tools.loadgen import (
     LoadPlan,
     LoadResult,
     MemberResult,
+    median,
     percentile,
     read_proc_stats,
 )
@@ -1083,25 +1084,30 @@ def bare_command() -> list[str]:
 
 
 def scaleout_case(
-    *, n: int = 8, k: int = 32, duration_s: float = 8.0, replicas: int = 2,
+    *, n: int = 8, k: int = 32, slice_s: float = 3.0, slices: int = 4, replicas: int = 2,
     judge: str = "canned",
 ) -> Case:
     """One replica, ``replicas`` replicas behind HAProxy (``configs/haproxy.cfg``) and the bare
-    Hypercorn app, side by side in one run (in alternating order from run to run), under the
-    same load: K cohorts of N in flight for ``duration_s`` each. The replicas judge with
-    :func:`genrm_trio.tools.bare.canned_judge` (``judge="canned"``: a plugin answering a fixed
-    verdict at once) or the built-in heuristic judge (``judge="builtin"``), both in process, so
-    all three answer every request with one HTTP exchange and the bare app is the limit of the
-    HTTP stack they share; what a replica does beyond it is its own work (decoding, the cohort,
-    parsing verdicts, aggregating, answering).
+    Hypercorn app, side by side in one run: all three are started together and driven in turn,
+    ``slices`` rounds of ``slice_s`` seconds each (the order rotating from round to round), so a
+    change in the machine's speed (a shared host) hits all three alike. The load is wrk
+    (:mod:`genrm_trio.tools.wrk`, a load generator in C: the Python one would take a third of a
+    core the servers need) with K x N connections, K cohorts of N in flight. The replicas judge
+    with :func:`genrm_trio.tools.bare.canned_judge` (``judge="canned"``: a plugin answering a
+    fixed verdict at once) or the built-in heuristic judge (``judge="builtin"``), both in
+    process, so all three answer every request with one HTTP exchange and the bare app is the
+    limit of the HTTP stack they share; what a replica does beyond it is its own work
+    (decoding, the cohort, parsing verdicts, aggregating, answering).
 
-    Metrics: verifies/s of each, ``one_over_bare`` and ``two_over_one``; CPU per verify and CPU
-    use (percent of one core) of the load generator, the servers and HAProxy, per setup; and,
-    from CPU per verify, the verifies/s each setup reaches when CPU-bound on an otherwise idle
-    machine (``*_cpu_bound_verifies_per_s``, ``one_over_bare_by_cpu``, ``two_over_one_by_cpu``).
+    Metrics (medians over the rounds): verifies/s of each; ``one_over_bare`` and
+    ``two_over_one``, the medians of each round's ratios; CPU per verify and CPU use (percent
+    of one core) of the load generator, the servers and HAProxy, per setup; and, from CPU per
+    verify, the verifies/s each setup reaches when CPU-bound on an otherwise idle machine
+    (``*_cpu_bound_verifies_per_s``, ``one_over_bare_by_cpu``, ``two_over_one_by_cpu``).
     """
     from genrm_trio.tools.bare import CANNED_JUDGE
     from genrm_trio.tools.haproxy import open_haproxy
+    from genrm_trio.tools.wrk import cohort_script, run_wrk
 
     runs = 0
     replica_cmd = ours_command("", ServerSettings(n=n))
@@ -1110,71 +1116,63 @@ def scaleout_case(
     elif judge != "builtin":
         raise ValueError(f"judge must be canned or builtin, got {judge!r}")
 
-    async def measure(client: H11Client, pids: Sequence[int], proxy_pid: int | None,
-                      bodies: BodyFactory, first: int) -> dict[str, float]:
-        await loadgen.drive_load(client, bodies, LoadPlan(
-            n=n, k=4, max_cohorts=8, duration_s=60.0, first_cohort=first + 900_000))  # warm-up
-        before = [read_proc_stats(p).cpu_s for p in pids]
-        proxy_before = read_proc_stats(proxy_pid).cpu_s if proxy_pid else 0.0
-        own_before = time.process_time()
-        plan = LoadPlan(n=n, k=k, max_cohorts=1_000_000, duration_s=duration_s,
-                        first_cohort=first)
-        result = await loadgen.drive_load(client, bodies, plan)
-        wall = result.wall_s
-        cpu = sum(read_proc_stats(p).cpu_s for p in pids) - sum(before)
+    @dataclass
+    class Setup:
+        url: str
+        pids: list[int]
+        proxy_pid: int | None = None
+
+    async def drive(ctx: BenchContext, tag: str, setup: Setup, connections: int,
+                    duration_s: float) -> dict[str, float]:
+        bodies = BodyFactory(seed=19, run_tag=f"{tag}-{time.time_ns()}")
+        before = [read_proc_stats(p).cpu_s for p in setup.pids]
+        proxy_before = read_proc_stats(setup.proxy_pid).cpu_s if setup.proxy_pid else 0.0
+        result = await run_wrk(setup.url, cohort_script(bodies, n), connections=connections,
+                               duration_s=duration_s, workdir=ctx.out_dir)
+        cpu = sum(read_proc_stats(p).cpu_s for p in setup.pids) - sum(before)
+        good, wall = max(result.good, 1), result.wall_s
         out = {
-            "verifies_per_s": result.verifies / wall,
+            "verifies_per_s": result.good / wall,
             "server_cpu_pct": 100.0 * cpu / wall,
             # CPU per verify barely depends on how busy the machine is (throughput does).
-            "server_cpu_ms_per_verify": 1000.0 * cpu / max(result.verifies, 1),
-            "loadgen_cpu_ms_per_verify": 1000.0 * (time.process_time() - own_before)
-            / max(result.verifies, 1),
-            "loadgen_cpu_pct": 100.0 * (time.process_time() - own_before) / wall,
-            "failed_members": float(sum(result.failures.values())),
+            "server_cpu_ms_per_verify": 1000.0 * cpu / good,
+            "loadgen_cpu_ms_per_verify": 1000.0 * result.cpu_s / good,
+            "loadgen_cpu_pct": 100.0 * result.cpu_s / wall,
+            "failed_members": float(result.bad),
         }
-        if proxy_pid:
-            proxy_cpu = read_proc_stats(proxy_pid).cpu_s - proxy_before
+        if setup.proxy_pid:
+            proxy_cpu = read_proc_stats(setup.proxy_pid).cpu_s - proxy_before
             out["haproxy_cpu_pct"] = 100.0 * proxy_cpu / wall
-            out["haproxy_cpu_ms_per_verify"] = 1000.0 * proxy_cpu / max(result.verifies, 1)
+            out["haproxy_cpu_ms_per_verify"] = 1000.0 * proxy_cpu / good
         return out
 
-    async def answer_bytes(client: H11Client, bodies: BodyFactory, cohort: int) -> float:
+    async def answer_bytes(url: str, bodies: BodyFactory, cohort: int) -> float:
         """Mean answer size over one whole cohort (a lone member would wait for the rest)."""
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        client = H11Client(host, int(port))
         sizes: list[int] = []
 
         async def member(i: int) -> None:
             answer = await client.request("POST", "/verify", bodies.member(cohort, i))
             sizes.append(len(answer.body))
 
-        async with trio.open_nursery() as nursery:
-            for i in range(n):
-                nursery.start_soon(member, i)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(member, i)
+        finally:
+            await client.aclose()
         return sum(sizes) / len(sizes)
 
-    async def bare(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
-        async with launch_process(bare_command(), log_path=logs / "scaleout-bare.log",
-                                  ready_prefix=_READY_BARE) as proc:
-            client = H11Client(*proc.host_port)
-            try:
-                metrics = await measure(client, [proc.pid], None, bodies, 0)
-                metrics["answer_bytes"] = await answer_bytes(client, bodies, 900_000)
-                return metrics
-            finally:
-                await client.aclose()
-
-    async def one(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
-        async with launch_process(replica_cmd, log_path=logs / "scaleout-one.log",
-                                  ready_prefix=_READY_OURS) as proc:
-            client = H11Client(*proc.host_port)
-            try:
-                metrics = await measure(client, [proc.pid], None, bodies, 2_000_000)
-                metrics["answer_bytes"] = await answer_bytes(client, bodies, 2_900_000)
-                return metrics
-            finally:
-                await client.aclose()
-
-    async def many(ctx: BenchContext, logs: Path, bodies: BodyFactory) -> dict[str, float]:
+    async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
+        nonlocal runs
+        runs += 1
+        logs = ctx.out_dir / "logs"
         async with contextlib.AsyncExitStack() as stack:
+            bare = await stack.enter_async_context(launch_process(
+                bare_command(), log_path=logs / "scaleout-bare.log", ready_prefix=_READY_BARE))
+            one = await stack.enter_async_context(launch_process(
+                replica_cmd, log_path=logs / "scaleout-one.log", ready_prefix=_READY_OURS))
             procs = [
                 await stack.enter_async_context(launch_process(
                     replica_cmd, log_path=logs / f"scaleout-replica{i}.log",
@@ -1184,42 +1182,52 @@ def scaleout_case(
             proxy = await stack.enter_async_context(open_haproxy(
                 [p.base_url.removeprefix("http://") for p in procs],
                 max_request_bytes=16 * 2**20, log_path=logs / "scaleout-haproxy.log"))
-            host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
-            client = H11Client(host, int(port))
-            try:
-                return await measure(client, [p.pid for p in procs], proxy.process.pid,
-                                     bodies, 4_000_000)
-            finally:
-                await client.aclose()
+            setups = {
+                "bare": Setup(bare.base_url, [bare.pid]),
+                "one": Setup(one.base_url, [one.pid]),
+                "two": Setup(proxy.url, [p.pid for p in procs], proxy.process.pid),
+            }
+            for name, setup in setups.items():  # warm-up: connections, caches, allocators
+                await drive(ctx, f"{tag}-{runs}-warm-{name}", setup, 8 * n, 1.0)
+            names = list(setups)
+            rounds: list[dict[str, dict[str, float]]] = []
+            for r in range(slices):
+                order = names[r % 3:] + names[:r % 3]
+                if runs % 2 == 0:
+                    order.reverse()
+                got = {}
+                for name in order:
+                    got[name] = await drive(ctx, f"{tag}-{runs}-{r}-{name}", setups[name],
+                                            k * n, slice_s)
+                rounds.append(got)
+            sizes = BodyFactory(seed=19, run_tag=f"{tag}-{runs}-sizes-{time.time_ns()}")
+            answer = {name: await answer_bytes(setups[name].url, sizes, i)
+                      for i, name in enumerate(("bare", "one"))}
+        metrics: dict[str, float] = {}
+        for name in names:
+            for m in rounds[0][name]:
+                metrics[f"{name}_{m}"] = median([g[name][m] for g in rounds])
+        for name, size in answer.items():
+            metrics[f"{name}_answer_bytes"] = size
 
-    async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
-        nonlocal runs
-        runs += 1
-        logs = ctx.out_dir / "logs"
-        bodies = BodyFactory(seed=19, run_tag=f"{tag}-{runs}-{int(time.time())}")
-        setups = [("bare", bare), ("one", one), ("two", many)]
-        if runs % 2 == 0:
-            setups.reverse()
-        got: dict[str, dict[str, float]] = {}
-        for name, setup in setups:
-            got[name] = await setup(ctx, logs, bodies)
-        metrics = {f"{name}_{m}": v for name, values in got.items() for m, v in values.items()}
-        metrics["one_over_bare"] = got["one"]["verifies_per_s"] / got["bare"]["verifies_per_s"]
-        metrics["two_over_one"] = got["two"]["verifies_per_s"] / got["one"]["verifies_per_s"]
-        metrics["two_over_bare"] = got["two"]["verifies_per_s"] / got["bare"]["verifies_per_s"]
-        # On a shared machine the processes are not CPU-bound and the scheduler gives more
-        # runnable processes a larger share, so the throughput ratios drift with the load.
-        # CPU per verify barely does: from it, the verifies/s each setup reaches on an otherwise
-        # idle machine with this many cores (each server process bound by one core; all
-        # processes, the load generator and HAProxy included, by the cores together).
+        def ratio(a: str, b: str) -> float:
+            return median([
+                g[a]["verifies_per_s"] / g[b]["verifies_per_s"] for g in rounds])
+
+        metrics["one_over_bare"] = ratio("one", "bare")
+        metrics["two_over_one"] = ratio("two", "one")
+        metrics["two_over_bare"] = ratio("two", "bare")
+        # From CPU per verify, which barely depends on how busy the machine is: the verifies/s
+        # each setup reaches on an otherwise idle machine with this many cores (each server
+        # process bound by one core; all processes, load generator and HAProxy included, by
+        # the cores together).
         cores = float(os.cpu_count() or 1)
 
         def cpu_bound(name: str, processes: int) -> float:
-            m = got[name]
-            total = (m["server_cpu_ms_per_verify"] + m["loadgen_cpu_ms_per_verify"]
-                     + m.get("haproxy_cpu_ms_per_verify", 0.0))
-            return min(1000.0 * min(processes, cores) / m["server_cpu_ms_per_verify"],
-                       1000.0 * cores / total)
+            server = metrics[f"{name}_server_cpu_ms_per_verify"]
+            total = (server + metrics[f"{name}_loadgen_cpu_ms_per_verify"]
+                     + metrics.get(f"{name}_haproxy_cpu_ms_per_verify", 0.0))
+            return min(1000.0 * min(processes, cores) / server, 1000.0 * cores / total)
 
         bound = {"bare": cpu_bound("bare", 1), "one": cpu_bound("one", 1),
                  "two": cpu_bound("two", replicas)}
@@ -1227,11 +1235,14 @@ def scaleout_case(
             metrics[f"{name}_cpu_bound_verifies_per_s"] = value
         metrics["one_over_bare_by_cpu"] = bound["one"] / bound["bare"]
         metrics["two_over_one_by_cpu"] = bound["two"] / bound["one"]
-        load = os.getloadavg()[0]
-        return RunRecord(metrics, notes={"order": [s for s, _ in setups],
-                                         "loadavg_1min_before_end": load})
+        per_round = [{"one_over_bare": g["one"]["verifies_per_s"] / g["bare"]["verifies_per_s"],
+                      "two_over_one": g["two"]["verifies_per_s"] / g["one"]["verifies_per_s"]}
+                     for g in rounds]
+        return RunRecord(metrics, notes={"rounds": per_round,
+                                         "loadavg_1min_before_end": os.getloadavg()[0]})
 
-    params = {"n": n, "k": k, "duration_s": duration_s, "replicas": replicas, "judge": judge}
+    params = {"n": n, "k": k, "slice_s": slice_s, "slices": slices, "replicas": replicas,
+              "judge": judge, "load": "wrk"}
     return Case("scaleout", f"n{n}-k{k}-{replicas}replicas-{judge}", run, params,
                 kinds=("ours",))
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -33,7 +32,7 @@ from typing import BinaryIO
 
 import trio
 
-from genrm_trio.tools.processes import stop_process
+from genrm_trio.tools.processes import MissingProgram, ensure_program, stop_process
 
 __all__ = [
     "REPLICA_HEADER",
@@ -81,28 +80,10 @@ def ensure_haproxy() -> str:
     Blocks (minutes on a fresh machine; run it in a thread from async code). Raises
     :class:`HaproxyError` with the installer's last line when that fails (no root, no apt).
     """
-    found = _which_haproxy()
-    if found:
-        return found
-    apt = shutil.which("apt-get")
-    if apt is None:
-        raise HaproxyError("haproxy is not installed and there is no apt-get to install it")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for step in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "haproxy"]):
-        done = subprocess.run(step, capture_output=True, text=True, env=env, check=False)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
-            raise HaproxyError(f"{' '.join(step[:2])} failed: {' '.join(tail)}")
-    found = _which_haproxy()
-    if found is None:
-        raise HaproxyError("apt-get install haproxy succeeded but no haproxy executable found")
-    return found
-
-
-def _which_haproxy() -> str | None:
-    # The Debian package installs /usr/sbin/haproxy, which is not on every user's PATH.
-    path = os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin", "/usr/local/sbin"])
-    return shutil.which("haproxy", path=path)
+    try:
+        return ensure_program("haproxy", "haproxy")
+    except MissingProgram as exc:
+        raise HaproxyError(str(exc)) from exc
 
 
 def bufsize_for(max_request_bytes: int) -> int:
