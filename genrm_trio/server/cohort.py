@@ -350,7 +350,10 @@ class CohortRegistry:
         the handler's own task (it reads the connection until the client hangs up) and the
         cohort's resolution interrupts it. Returns the outcome, or None when ``client_gone``
         returned first: then only this waiter was removed, as for a cancelled :meth:`verify`.
-        No task is started: waiting costs one cancel scope, however many members wait."""
+        No task is started per waiter. ``client_gone`` runs only once the registry's watch
+        timer finds the cohort :data:`DISCONNECT_WATCH_AFTER_S` old (at once for a member that
+        joins it later), so a client that hangs up sooner is noticed then; waiters of a cohort
+        that resolves sooner wake on its event alone."""
         return await self._verify(member, client_gone)
 
     async def _verify(
