@@ -1084,20 +1084,22 @@ def bare_command() -> list[str]:
 
 
 def scaleout_case(
-    *, n: int = 8, k: int = 32, slice_s: float = 8.0, slices: int = 3, replicas: int = 2,
+    *, n: int = 8, k: int = 32, slice_s: int = 6, slices: int = 3, replicas: int = 2,
     judge: str = "canned",
 ) -> Case:
     """One replica, ``replicas`` replicas behind HAProxy (``configs/haproxy.cfg``) and the bare
     Hypercorn app, side by side in one run: all three are started together and driven in turn,
-    ``slices`` rounds of ``slice_s`` seconds each (the order rotating from round to round), so a
-    change in the machine's speed (a shared host) hits all three alike. Each slice opens its
-    connections anew and drops its requests in flight at the end (their cohorts never
-    complete): 8 s slices keep that a small share of the work measured. The load is wrk
-    (:mod:`genrm_trio.tools.wrk`, a load generator in C: the Python one would take a third of a
-    core the servers need) with K cohorts of N in flight per server process (K x N connections
-    to the bare app and to one replica, 2 x K x N through HAProxy to two), so each server sees
-    the same depth of work: with K cohorts shared by two, each replica ran out of work at times
-    (measured: 10 to 20 % fewer verifies/s through HAProxy at K = 32 than at 64). The replicas judge
+    ``slices`` rounds, each measuring a window of ``slice_s`` whole seconds in a run of wrk
+    (the order rotating from round to round), so a change in the machine's speed (a shared
+    host) hits all three alike. Each wrk run opens its connections anew and drops its requests
+    in flight at the end; the window leaves both out (:func:`genrm_trio.tools.wrk.run_wrk`):
+    two replicas behind HAProxy open about three times the connections one replica does. The
+    load is wrk (:mod:`genrm_trio.tools.wrk`, a load generator in C: the Python one would take
+    a third of a core the servers need) with K cohorts of N in flight per server process
+    (K x N connections to the bare app and to one replica, 2 x K x N through HAProxy to two),
+    so each server sees the same depth of work: with K cohorts shared by two, each replica ran
+    out of work at times (measured: 10 to 20 % fewer verifies/s through HAProxy at K = 32 than
+    at 64). The replicas judge
     with :func:`genrm_trio.tools.bare.canned_judge` (``judge="canned"``: a plugin answering a
     fixed verdict at once) or the built-in heuristic judge (``judge="builtin"``), both in
     process, so all three answer every request with one HTTP exchange and the bare app is the
@@ -1112,7 +1114,7 @@ def scaleout_case(
     """
     from genrm_trio.tools.bare import CANNED_JUDGE
     from genrm_trio.tools.haproxy import open_haproxy
-    from genrm_trio.tools.wrk import cohort_script, run_wrk
+    from genrm_trio.tools.wrk import run_wrk
 
     runs = 0
     replica_cmd = ours_command("", ServerSettings(n=n))
@@ -1128,25 +1130,24 @@ def scaleout_case(
         proxy_pid: int | None = None
 
     async def drive(ctx: BenchContext, tag: str, setup: Setup, connections: int,
-                    duration_s: float) -> dict[str, float]:
+                    window_s: int) -> dict[str, float]:
         bodies = BodyFactory(seed=19, run_tag=f"{tag}-{time.time_ns()}")
-        before = [read_proc_stats(p).cpu_s for p in setup.pids]
-        proxy_before = read_proc_stats(setup.proxy_pid).cpu_s if setup.proxy_pid else 0.0
-        result = await run_wrk(setup.url, cohort_script(bodies, n), connections=connections,
-                               duration_s=duration_s, workdir=ctx.out_dir)
-        cpu = sum(read_proc_stats(p).cpu_s for p in setup.pids) - sum(before)
-        good, wall = max(result.good, 1), result.wall_s
+        watched = setup.pids + ([setup.proxy_pid] if setup.proxy_pid else [])
+        result = await run_wrk(setup.url, bodies, n, connections=connections,
+                               window_s=window_s, workdir=ctx.out_dir, watch=watched)
+        cpu = sum(result.cpu_s[p] for p in setup.pids)
+        good, wall = max(result.window_good, 1), result.window_s
         out = {
-            "verifies_per_s": result.good / wall,
+            "verifies_per_s": result.window_good / wall,
             "server_cpu_pct": 100.0 * cpu / wall,
             # CPU per verify barely depends on how busy the machine is (throughput does).
             "server_cpu_ms_per_verify": 1000.0 * cpu / good,
-            "loadgen_cpu_ms_per_verify": 1000.0 * result.cpu_s / good,
-            "loadgen_cpu_pct": 100.0 * result.cpu_s / wall,
-            "failed_members": float(result.bad),
+            "loadgen_cpu_ms_per_verify": 1000.0 * result.wrk_cpu_s / good,
+            "loadgen_cpu_pct": 100.0 * result.wrk_cpu_s / wall,
+            "failed_members": float(result.window_bad),
         }
         if setup.proxy_pid:
-            proxy_cpu = read_proc_stats(setup.proxy_pid).cpu_s - proxy_before
+            proxy_cpu = result.cpu_s[setup.proxy_pid]
             out["haproxy_cpu_pct"] = 100.0 * proxy_cpu / wall
             out["haproxy_cpu_ms_per_verify"] = 1000.0 * proxy_cpu / good
         return out
@@ -1193,7 +1194,7 @@ def scaleout_case(
                 "two": Setup(proxy.url, [p.pid for p in procs], proxy.process.pid),
             }
             for name, setup in setups.items():  # warm-up: connections, caches, allocators
-                await drive(ctx, f"{tag}-{runs}-warm-{name}", setup, 8 * n, 1.0)
+                await drive(ctx, f"{tag}-{runs}-warm-{name}", setup, 8 * n, 1)
             names = list(setups)
             rounds: list[dict[str, dict[str, float]]] = []
             for r in range(slices):
