@@ -39,12 +39,12 @@ def test_templates_rebuild_every_member_body_of_any_cohort() -> None:
         member_templates(bodies, 0)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def wrk() -> str:
     try:
         return ensure_wrk()
-    except LoadgenError as exc:  # .ci/run installs it; elsewhere it may not be installable
-        pytest.skip(f"wrk unavailable: {exc}")
+    except LoadgenError as exc:
+        pytest.fail(f"wrk is needed (apt-get install -y wrk): {exc}")
 
 
 async def test_wrk_sends_whole_cohorts_that_the_server_rewards(wrk: str, tmp_path: Path) -> None:

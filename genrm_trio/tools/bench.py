@@ -1084,7 +1084,7 @@ def bare_command() -> list[str]:
 
 
 def scaleout_case(
-    *, n: int = 8, k: int = 32, slice_s: int = 6, slices: int = 3, replicas: int = 2,
+    *, n: int = 8, k: int = 32, slice_s: int = 5, slices: int = 5, replicas: int = 2,
     judge: str = "canned",
 ) -> Case:
     """One replica, ``replicas`` replicas behind HAProxy (``configs/haproxy.cfg``) and the bare
