@@ -8,12 +8,13 @@ import os
 import resource
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import h11
+import pytest
 import trio
 
 from tests.server_helpers import read_answer
@@ -108,3 +109,12 @@ async def get_json(host: str, port: int, path: str) -> Any:
     status, _, raw = await http_call(host, port, "GET", path)
     assert status == 200, (status, raw[:500])
     return json.loads(raw)
+
+
+def require_program(ensure: Callable[[], str], errors: type[Exception], package: str) -> str:
+    """The path ``ensure()`` returns (it installs the Debian ``package`` when missing), or the
+    test fails, naming the package: these tests run in CI, which installs it."""
+    try:
+        return ensure()
+    except errors as exc:
+        pytest.fail(f"{package} is needed (apt-get install -y {package}): {exc}")

@@ -34,6 +34,7 @@ from genrm_trio.tools.haproxy import (
     ensure_haproxy,
     open_haproxy,
 )
+from tests.process_helpers import require_program
 
 REPO = Path(__file__).resolve().parent.parent
 N = 8
@@ -43,10 +44,7 @@ READY = "genrm-trio serve listening on "
 
 @pytest.fixture(scope="session")
 def haproxy_installed() -> str:
-    try:
-        return ensure_haproxy()
-    except HaproxyError as exc:
-        pytest.fail(f"HAProxy is needed (apt-get install -y haproxy): {exc}")
+    return require_program(ensure_haproxy, HaproxyError, "haproxy")
 
 
 @dataclass

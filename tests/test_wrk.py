@@ -11,7 +11,7 @@ import trio
 
 from genrm_trio.tools.loadgen import BodyFactory, LoadgenError
 from genrm_trio.tools.wrk import cohort_script, ensure_wrk, member_templates, run_wrk
-from tests.process_helpers import http_call, serve_process
+from tests.process_helpers import http_call, require_program, serve_process
 
 N = 4
 
@@ -41,10 +41,7 @@ def test_templates_rebuild_every_member_body_of_any_cohort() -> None:
 
 @pytest.fixture(scope="session")
 def wrk() -> str:
-    try:
-        return ensure_wrk()
-    except LoadgenError as exc:
-        pytest.fail(f"wrk is needed (apt-get install -y wrk): {exc}")
+    return require_program(ensure_wrk, LoadgenError, "wrk")
 
 
 async def test_wrk_sends_whole_cohorts_that_the_server_rewards(wrk: str, tmp_path: Path) -> None:
