@@ -23,13 +23,29 @@ import pytest
 import trio
 
 from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
-from tests.process_helpers import get_json, http_call, raise_fd_limit, serve_process
+from tests.process_helpers import (
+    ServeProcess,
+    get_json,
+    http_call,
+    raise_fd_limit,
+    serve_process,
+)
 
 GRACE_S = 2.0
 STALLED_WAITERS = 300  # collecting members whose clients never read
 EVALUATING_COHORTS = 20  # complete cohorts whose judge calls hang; their clients never read
 BIG_REPLAYS = 6  # replays of completed members with a big echoed body, never read
 BIG_TEXT_BYTES = 3 * 1024 * 1024
+
+
+async def _terminate(server: ServeProcess) -> tuple[float, int | None, str]:
+    """SIGTERM the server and wait for it to exit (at most GRACE_S + 20 s): the seconds it
+    took, its exit code (None if it is still running) and its log's tail."""
+    signalled = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    with trio.move_on_after(GRACE_S + 20):
+        await server.proc.wait()
+    return time.monotonic() - signalled, server.proc.returncode, server.log_tail()
 
 
 def _member(group: str, slot: int, text: str) -> bytes:
@@ -127,13 +143,7 @@ async def test_sigterm_with_stalled_clients_and_a_hung_judge_exits_within_grace(
                 while not all(_unread_bytes(sock) > 0 for sock in big_sockets):  # noqa: ASYNC110
                     await trio.sleep(0.05)
 
-            signalled = time.monotonic()
-            server.proc.send_signal(signal.SIGTERM)
-            with trio.move_on_after(GRACE_S + 20):
-                await server.proc.wait()
-            elapsed = time.monotonic() - signalled
-            code = server.proc.returncode
-            log_tail = server.log_tail()
+            elapsed, code, log_tail = await _terminate(server)
         for sock in sockets + big_sockets:
             sock.close()
         judge_nursery.cancel_scope.cancel()
@@ -186,13 +196,7 @@ async def test_a_judge_that_ignores_cancellation_cannot_hold_the_process(tmp_pat
                     if snapshot["cohorts"]["evaluating"] == 1:
                         break
                     await trio.sleep(0.05)
-            signalled = time.monotonic()
-            server.proc.send_signal(signal.SIGTERM)
-        with trio.move_on_after(GRACE_S + 20):
-            await server.proc.wait()
-        elapsed = time.monotonic() - signalled
-        code = server.proc.returncode
-        log_tail = server.log_tail()
+            elapsed, code, log_tail = await _terminate(server)
     assert answers == [503, 503]
     assert code == 0, f"exit {code} after {elapsed:.1f} s:\n{log_tail}"
     assert elapsed < GRACE_S + 1.0, f"exit took {elapsed:.2f} s:\n{log_tail}"
