@@ -58,7 +58,7 @@ DISCONNECT_WATCH_AFTER_S = 0.5
 connections: a client that hangs up is noticed (its waiter removed) once its cohort is this
 old, at once after that (README, "HTTP API")."""
 _WATCH_SLACK_S = 0.1
-# The watch timer starts every cohort due within this much of the one it woke for.
+"""The watch timer starts every cohort due within this much of the one it woke for."""
 
 
 class Phase(enum.Enum):
@@ -139,7 +139,7 @@ class Cohort:
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
-        "wake", "watching",
+        "wake",
     )
 
     def __init__(
@@ -162,10 +162,9 @@ class Cohort:
         self.arrival = trio.Event()
         self.done = trio.Event()
         # HTTP handlers' waiters (verify_unless_gone) wait on `wake`: set when the cohort
-        # resolves or, once it is DISCONNECT_WATCH_AFTER_S old, by the registry's watch timer
-        # (`watching`); from then on they watch their connections in these cancel scopes.
+        # resolves or, once it is DISCONNECT_WATCH_AFTER_S old, by the registry's watch timer;
+        # from then on they watch their connections in these cancel scopes.
         self.wake = trio.Event()
-        self.watching = False
         self.wakers: set[trio.CancelScope] = set()
         self.pairs = pairs
         self.started_pairs: set[int] = set()
@@ -185,7 +184,6 @@ class Cohort:
 
     def start_watching(self) -> None:
         """From now on its HTTP handlers' waiters watch their connections. Synchronous."""
-        self.watching = True
         self.wake.set()
 
     @property
@@ -235,6 +233,25 @@ class _Watermark:
         self.finished = finished
 
 
+async def _resolved_before_gone(cohort: Cohort,
+                                client_gone: Callable[[], Awaitable[object]]) -> bool:
+    """Wait until ``cohort`` resolves (True) or, once it watches connections, until
+    ``client_gone()`` returns (False). A cohort that resolves soon (the common case under load,
+    when the judge is fast and this server's CPU is what counts) wakes its waiters by one
+    event, the cheapest wake there is; waiters of older cohorts watch their connections and are
+    woken by a cancellation of their scope (which costs trio several times more)."""
+    await cohort.wake.wait()  # resolved, or the watch timer found it old enough
+    if cohort.done.is_set():
+        return True
+    with trio.CancelScope() as wake:  # Cohort.release() cancels it
+        cohort.wakers.add(wake)
+        try:
+            await client_gone()
+        finally:
+            cohort.wakers.discard(wake)
+    return wake.cancelled_caught
+
+
 class CohortRegistry:
     """Owns every cohort of the process: admission, fencing, replay, retention, shutdown.
 
@@ -268,7 +285,7 @@ class CohortRegistry:
         self.watermark_visits = 0
         self._waiters = 0
         # Cohorts by the time their waiters start watching connections (open order), and the
-        # one task that starts them (_watch_timer, in the registry's nursery).
+        # one task that starts them (_watch_timer, in the `service` nursery).
         self._watch_due: deque[tuple[float, Cohort]] = deque()
         self._watch_queued = trio.Event()
         self._watch_timer_scope: trio.CancelScope | None = None
@@ -373,24 +390,8 @@ class CohortRegistry:
         try:
             if client_gone is None:
                 await cohort.done.wait()
-                return self._outcome(cohort, slot)
-            # A cohort that resolves soon (the common case under load, when the judge is fast
-            # and this server's CPU is what counts) wakes its waiters by one event, the
-            # cheapest wake there is. Waiters of older cohorts watch their connections,
-            # woken by a cancellation (which costs trio several times more).
-            if not cohort.watching:
-                await cohort.wake.wait()
-            if not cohort.done.is_set():
-                # release() cancels this scope when the cohort resolves; until then the
-                # handler watches its own connection.
-                with trio.CancelScope() as wake:
-                    cohort.wakers.add(wake)
-                    try:
-                        await client_gone()
-                    finally:
-                        cohort.wakers.discard(wake)
-                if not wake.cancelled_caught:
-                    return None  # the client went away first
+            elif not await _resolved_before_gone(cohort, client_gone):
+                return None  # the client went away first
         finally:
             self._waiters -= 1
             self._duplicate_bytes -= held
