@@ -157,8 +157,8 @@ function done(summary, latency, requests)
     wg = wg + t:get("window_good")
     wb = wb + t:get("window_bad")
   end
-  io.write(string.format("{_RESULT_PREFIX}good=%d bad=%d window_good=%d window_bad=%d "
-                         .. "duration_us=%d\\n", g, b, wg, wb, summary.duration))
+  io.write(string.format("{_RESULT_PREFIX}good=%d bad=%d window_good=%d window_bad=%d\\n",
+                         g, b, wg, wb))
 end
 """
 
@@ -183,42 +183,37 @@ async def run_wrk(url: str, bodies: BodyFactory, n: int, *, connections: int, wi
     command = [exe, "-t1", f"-c{connections}", f"-d{math.ceil(end + 1 - now)}s",
                "--timeout", f"{_ANSWER_TIMEOUT_S}s", "-s", str(path),
                url.rstrip("/") + "/verify"]
-    try:
-        process = await trio.lowlevel.open_process(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    except OSError as exc:
-        raise LoadgenError(f"wrk did not start: {exc}") from exc
-    pids = [process.pid, *watch]
-    out, err = b"", b""
+    done: list[subprocess.CompletedProcess[bytes]] = []
+
+    async def run(task_status: trio.TaskStatus[trio.Process]) -> None:
+        # trio reads both pipes and, if cancelled, kills wrk and waits for it.
+        done.append(await trio.run_process(command, capture_stdout=True, capture_stderr=True,
+                                           check=False, task_status=task_status))
+
+    def cpu(pids: list[int]) -> dict[int, float] | None:
+        try:
+            return {pid: read_proc_stats(pid).cpu_s for pid in pids}
+        except OSError:  # wrk (or a watched process) ended early: reported below
+            return None
+
+    before = after = None
     try:
         async with trio.open_nursery() as nursery:
-
-            async def read(stream: trio.abc.ReceiveStream, into: list[bytes]) -> None:
-                async for chunk in stream:
-                    into.append(bytes(chunk))
-
-            outs: list[bytes] = []
-            errs: list[bytes] = []
-            assert process.stdout is not None and process.stderr is not None
-            nursery.start_soon(read, process.stdout, outs)
-            nursery.start_soon(read, process.stderr, errs)
+            process: trio.Process = await nursery.start(run)
+            pids = [process.pid, *watch]
             await trio.sleep(max(0.0, start - time.time()))
-            before = {pid: _cpu_s(pid) for pid in pids}
+            before = cpu(pids)
             await trio.sleep(max(0.0, end - time.time()))
-            spent = {pid: _cpu_s(pid) - before[pid] for pid in pids}
-            await process.wait()
-        out, err = b"".join(outs), b"".join(errs)
+            after = cpu(pids)
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
         path.unlink(missing_ok=True)
+    out, err, returncode = done[0].stdout, done[0].stderr, done[0].returncode
     text = out.decode(errors="replace")
     line = next((ln for ln in text.splitlines() if ln.startswith(_RESULT_PREFIX)), None)
-    if process.returncode != 0 or line is None:
+    if returncode != 0 or line is None or before is None or after is None:
         tail = (err.decode(errors="replace") or text).strip().splitlines()[-3:]
-        raise LoadgenError(f"wrk exited {process.returncode}: {' / '.join(tail)}")
+        raise LoadgenError(f"wrk exited {returncode}: {' / '.join(tail)}")
+    spent = {pid: after[pid] - before[pid] for pid in before}
     fields = {k: int(v) for k, v in
               (item.split("=", 1) for item in line[len(_RESULT_PREFIX):].split())}
     return WrkResult(
@@ -226,6 +221,3 @@ async def run_wrk(url: str, bodies: BodyFactory, n: int, *, connections: int, wi
         window_bad=fields["window_bad"], wrk_cpu_s=spent.pop(process.pid),
         cpu_s=spent, good=fields["good"], bad=fields["bad"])
 
-
-def _cpu_s(pid: int) -> float:
-    return read_proc_stats(pid).cpu_s
