@@ -71,3 +71,15 @@ async def test_wrk_sends_whole_cohorts_that_the_server_rewards(wrk: str, tmp_pat
     assert completed * N >= result.good  # every good answer came from a completed cohort
     assert completed * N <= result.good + 8 * N  # at most the cohorts in flight at the end
     assert snapshot["waiters"] == 0
+
+
+async def test_wrk_against_nothing_is_a_clear_error(wrk: str, tmp_path: Path) -> None:
+    """No server on the port: the run ends at once with a LoadgenError naming the refusal (the
+    bench stops with it instead of reporting numbers), and the script file is removed."""
+    with trio.socket.socket() as sock:  # a port nothing listens on once this closes
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with trio.fail_after(30), pytest.raises(LoadgenError, match="refused"):
+        await run_wrk(f"http://127.0.0.1:{port}", BodyFactory(seed=6, run_tag="x"), N,
+                      connections=N, window_s=1, workdir=tmp_path)
+    assert not list(await trio.Path(tmp_path).glob("wrk-*.lua"))
