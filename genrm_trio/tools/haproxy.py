@@ -9,7 +9,7 @@ and the replicas are processes spoken to over HTTP.
     open_haproxy(replicas, max_request_bytes=...)   async context manager
       +-- derive_config(shipped text, n)           one "server" line per replica
       +-- a listening socket on 127.0.0.1:0        handed to HAProxy as "fd@N" (no port race)
-      +-- haproxy -db -f derived.cfg               until the context exits: SIGTERM by pid,
+      +-- haproxy -dMglobal -db -f derived.cfg     until the context exits: SIGTERM by pid,
                                                    SIGKILL after a grace period
 
 The shipped file takes its addresses and buffer size from environment variables with
@@ -36,6 +36,7 @@ from genrm_trio.tools.processes import MissingProgram, ensure_program, stop_proc
 
 __all__ = [
     "REPLICA_HEADER",
+    "GLOBAL_POOL_ARGS",
     "HaproxyError",
     "Haproxy",
     "bufsize_for",
@@ -48,6 +49,14 @@ __all__ = [
 REPLICA_HEADER = "x-genrm-replica"
 """The response header the shipped config sets to the name of the replica that answered."""
 
+GLOBAL_POOL_ARGS = ("-dMglobal",)
+"""HAProxy's process-wide cache of freed memory objects (HAProxy 2.6 and later). The shipped
+config's buffers are ``max_request_bytes`` large (16 MiB by default) and HAProxy takes several
+per request. Its per-thread caches are smaller than one such buffer, and Debian's build has the
+shared cache off (``haproxy -dMhelp`` lists ``no-global`` as set), so every freed buffer went
+back to glibc, which unmapped it and mapped and zeroed fresh pages for the next one: 15 to 25 %
+of HAProxy's CPU per ``/verify`` (``bench/haproxy_pools.py``). With the shared cache, freed
+buffers are reused; the memory kept is what the largest burst of uploads touched."""
 _HEADER_ROOM_BYTES = 64 * 1024
 _STOP_GRACE_S = 5.0
 _READY_S = 30.0
@@ -117,9 +126,11 @@ async def open_haproxy(
     max_request_bytes: int,
     config: Path | None = None,
     log_path: Path | None = None,
+    args: Sequence[str] = GLOBAL_POOL_ARGS,
 ) -> AsyncIterator[Haproxy]:
     """Run HAProxy with the shipped config in front of ``replicas`` (``host:port`` each, in
-    ring order ``r1, r2, ...``), listening on a fresh loopback port.
+    ring order ``r1, r2, ...``), listening on a fresh loopback port. ``args`` go on HAProxy's
+    command line before the config (by default what the README runs it with).
 
     Blocks until a ``GET /readyz`` through HAProxy answers 200 (the replicas must be serving),
     at most 30 s, else raises :class:`HaproxyError`. On exit HAProxy gets SIGTERM (by pid),
@@ -141,7 +152,7 @@ async def open_haproxy(
             env[f"GENRM_REPLICA_{i}"] = address
         try:
             process = await trio.lowlevel.open_process(
-                [exe, "-db", "-f", str(cfg_path)], env=env, pass_fds=(listener.fileno(),),
+                [exe, *args, "-db", "-f", str(cfg_path)], env=env, pass_fds=(listener.fileno(),),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             )
         finally:
