@@ -4,6 +4,7 @@ script must make whole, correctly keyed cohorts, or every number the bench repor
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -82,4 +83,15 @@ async def test_wrk_against_nothing_is_a_clear_error(wrk: str, tmp_path: Path) ->
     with trio.fail_after(30), pytest.raises(LoadgenError, match="refused"):
         await run_wrk(f"http://127.0.0.1:{port}", BodyFactory(seed=6, run_tag="x"), N,
                       connections=N, window_s=1, workdir=tmp_path)
+    assert not list(await trio.Path(tmp_path).glob("wrk-*.lua"))
+
+
+async def test_a_window_start_without_a_second_of_load_before_it_is_refused(
+        wrk: str, tmp_path: Path) -> None:
+    """Runs started together share a window by passing one ``window_start``; one too soon to
+    have a second of load before it is a ValueError before wrk starts (no script is left)."""
+    with pytest.raises(ValueError, match="window_start"):
+        await run_wrk("http://127.0.0.1:9", BodyFactory(seed=7, run_tag="s"), N,
+                      connections=N, window_s=1, workdir=tmp_path,
+                      window_start=int(time.time()))
     assert not list(await trio.Path(tmp_path).glob("wrk-*.lua"))

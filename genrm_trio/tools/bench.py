@@ -1088,10 +1088,12 @@ def scaleout_case(
     judge: str = "canned",
 ) -> Case:
     """One replica, ``replicas`` replicas behind HAProxy (``configs/haproxy.cfg``) and the bare
-    Hypercorn app, side by side in one run: all three are started together and driven in turn,
+    Hypercorn app, side by side in one run, and, to tell HAProxy's share of the scaling from the
+    machine's, the same replicas each driven directly by its own wrk (``pair``, all wrk runs
+    measuring one window): all four are started together and driven in turn,
     ``slices`` rounds, each measuring a window of ``slice_s`` whole seconds in a run of wrk
     (the order rotating from round to round), so a change in the machine's speed (a shared
-    host) hits all three alike. Each wrk run opens its connections anew and drops its requests
+    host) hits all of them alike. Each wrk run opens its connections anew and drops its requests
     in flight at the end; the window leaves both out (:func:`genrm_trio.tools.wrk.run_wrk`):
     two replicas behind HAProxy open about three times the connections one replica does. The
     load is wrk (:mod:`genrm_trio.tools.wrk`, a load generator in C: the Python one would take
@@ -1102,19 +1104,21 @@ def scaleout_case(
     at 64). The replicas judge
     with :func:`genrm_trio.tools.bare.canned_judge` (``judge="canned"``: a plugin answering a
     fixed verdict at once) or the built-in heuristic judge (``judge="builtin"``), both in
-    process, so all three answer every request with one HTTP exchange and the bare app is the
+    process, so all of them answer every request with one HTTP exchange and the bare app is the
     limit of the HTTP stack they share; what a replica does beyond it is its own work
     (decoding, the cohort, parsing verdicts, aggregating, answering).
 
-    Metrics (medians over the rounds): verifies/s of each; ``one_over_bare`` and
-    ``two_over_one``, the medians of each round's ratios; CPU per verify and CPU use (percent
-    of one core) of the load generator, the servers and HAProxy, per setup; and, from CPU per
-    verify, the verifies/s each setup reaches when CPU-bound on an otherwise idle machine
-    (``*_cpu_bound_verifies_per_s``, ``one_over_bare_by_cpu``, ``two_over_one_by_cpu``).
+    Metrics (medians over the rounds): verifies/s of each; ``one_over_bare``,
+    ``two_over_one``, ``pair_over_one`` (what two replicas give on this machine with no
+    HAProxy) and ``two_over_pair`` (what HAProxy costs), the medians of each round's ratios;
+    CPU per verify and CPU use (percent of one core) of the load generator, the servers and
+    HAProxy, per setup; and, from CPU per verify, the verifies/s each setup reaches when
+    CPU-bound on an otherwise idle machine (``*_cpu_bound_verifies_per_s``,
+    ``one_over_bare_by_cpu``, ``two_over_one_by_cpu``).
     """
     from genrm_trio.tools.bare import CANNED_JUDGE
     from genrm_trio.tools.haproxy import open_haproxy
-    from genrm_trio.tools.wrk import run_wrk
+    from genrm_trio.tools.wrk import WrkResult, run_wrk
 
     runs = 0
     replica_cmd = ours_command("", ServerSettings(n=n))
@@ -1125,29 +1129,46 @@ def scaleout_case(
 
     @dataclass
     class Setup:
-        url: str
-        pids: list[int]
+        """``targets``: each URL with the server pids its wrk drives (one wrk per target, all
+        measuring the same window); ``proxy_pid``: HAProxy, when the target is HAProxy."""
+
+        targets: list[tuple[str, list[int]]]
         proxy_pid: int | None = None
+
+        @property
+        def pids(self) -> list[int]:
+            return [pid for _, pids in self.targets for pid in pids]
 
     async def drive(ctx: BenchContext, tag: str, setup: Setup, connections: int,
                     window_s: int) -> dict[str, float]:
-        bodies = BodyFactory(seed=19, run_tag=f"{tag}-{time.time_ns()}")
-        watched = setup.pids + ([setup.proxy_pid] if setup.proxy_pid else [])
-        result = await run_wrk(setup.url, bodies, n, connections=connections,
-                               window_s=window_s, workdir=ctx.out_dir, watch=watched)
-        cpu = sum(result.cpu_s[p] for p in setup.pids)
-        good, wall = max(result.window_good, 1), result.window_s
+        results: list[WrkResult] = []
+        window_start = math.ceil(time.time()) + 2
+
+        async def one(i: int, url: str, pids: list[int]) -> None:
+            bodies = BodyFactory(seed=19, run_tag=f"{tag}-{i}-{time.time_ns()}")
+            watched = pids + ([setup.proxy_pid] if setup.proxy_pid else [])
+            results.append(await run_wrk(
+                url, bodies, n, connections=connections, window_s=window_s,
+                workdir=ctx.out_dir, watch=watched, window_start=window_start))
+
+        async with trio.open_nursery() as nursery:
+            for i, (url, pids) in enumerate(setup.targets):
+                nursery.start_soon(one, i, url, pids)
+        cpu = sum(r.cpu_s[p] for r in results for p in setup.pids if p in r.cpu_s)
+        wrk_cpu = sum(r.wrk_cpu_s for r in results)
+        answered = sum(r.window_good for r in results)
+        good, wall = max(answered, 1), results[0].window_s
         out = {
-            "verifies_per_s": result.window_good / wall,
+            "verifies_per_s": answered / wall,
             "server_cpu_pct": 100.0 * cpu / wall,
             # CPU per verify barely depends on how busy the machine is (throughput does).
             "server_cpu_ms_per_verify": 1000.0 * cpu / good,
-            "loadgen_cpu_ms_per_verify": 1000.0 * result.wrk_cpu_s / good,
-            "loadgen_cpu_pct": 100.0 * result.wrk_cpu_s / wall,
-            "failed_members": float(result.window_bad),
+            "loadgen_cpu_ms_per_verify": 1000.0 * wrk_cpu / good,
+            "loadgen_cpu_pct": 100.0 * wrk_cpu / wall,
+            "failed_members": float(sum(r.window_bad for r in results)),
         }
         if setup.proxy_pid:
-            proxy_cpu = result.cpu_s[setup.proxy_pid]
+            proxy_cpu = results[0].cpu_s[setup.proxy_pid]
             out["haproxy_cpu_pct"] = 100.0 * proxy_cpu / wall
             out["haproxy_cpu_ms_per_verify"] = 1000.0 * proxy_cpu / good
         return out
@@ -1189,25 +1210,29 @@ def scaleout_case(
                 [p.base_url.removeprefix("http://") for p in procs],
                 max_request_bytes=16 * 2**20, log_path=logs / "scaleout-haproxy.log"))
             setups = {
-                "bare": Setup(bare.base_url, [bare.pid]),
-                "one": Setup(one.base_url, [one.pid]),
-                "two": Setup(proxy.url, [p.pid for p in procs], proxy.process.pid),
+                "bare": Setup([(bare.base_url, [bare.pid])]),
+                "one": Setup([(one.base_url, [one.pid])]),
+                "two": Setup([(proxy.url, [p.pid for p in procs])], proxy.process.pid),
+                # The same replicas, each driven by its own wrk: no HAProxy in the way.
+                "pair": Setup([(p.base_url, [p.pid]) for p in procs]),
             }
             for name, setup in setups.items():  # warm-up: connections, caches, allocators
                 await drive(ctx, f"{tag}-{runs}-warm-{name}", setup, 8 * n, 1)
             names = list(setups)
             rounds: list[dict[str, dict[str, float]]] = []
             for r in range(slices):
-                order = names[r % 3:] + names[:r % 3]
+                order = names[r % len(names):] + names[:r % len(names)]
                 if runs % 2 == 0:
                     order.reverse()
                 got = {}
                 for name in order:
-                    got[name] = await drive(ctx, f"{tag}-{runs}-{r}-{name}", setups[name],
-                                            k * n * len(setups[name].pids), slice_s)
+                    setup = setups[name]
+                    per_target = k * n * len(setup.pids) // len(setup.targets)
+                    got[name] = await drive(ctx, f"{tag}-{runs}-{r}-{name}", setup,
+                                            per_target, slice_s)
                 rounds.append(got)
             sizes = BodyFactory(seed=19, run_tag=f"{tag}-{runs}-sizes-{time.time_ns()}")
-            answer = {name: await answer_bytes(setups[name].url, sizes, i)
+            answer = {name: await answer_bytes(setups[name].targets[0][0], sizes, i)
                       for i, name in enumerate(("bare", "one"))}
         metrics: dict[str, float] = {}
         for name in names:
@@ -1223,6 +1248,8 @@ def scaleout_case(
         metrics["one_over_bare"] = ratio("one", "bare")
         metrics["two_over_one"] = ratio("two", "one")
         metrics["two_over_bare"] = ratio("two", "bare")
+        metrics["pair_over_one"] = ratio("pair", "one")
+        metrics["two_over_pair"] = ratio("two", "pair")
         # From CPU per verify, which barely depends on how busy the machine is: the verifies/s
         # each setup reaches on an otherwise idle machine with this many cores (each server
         # process bound by one core; all processes, load generator and HAProxy included, by
@@ -1236,13 +1263,14 @@ def scaleout_case(
             return min(1000.0 * min(processes, cores) / server, 1000.0 * cores / total)
 
         bound = {"bare": cpu_bound("bare", 1), "one": cpu_bound("one", 1),
-                 "two": cpu_bound("two", replicas)}
+                 "two": cpu_bound("two", replicas), "pair": cpu_bound("pair", replicas)}
         for name, value in bound.items():
             metrics[f"{name}_cpu_bound_verifies_per_s"] = value
         metrics["one_over_bare_by_cpu"] = bound["one"] / bound["bare"]
         metrics["two_over_one_by_cpu"] = bound["two"] / bound["one"]
         per_round = [{"one_over_bare": g["one"]["verifies_per_s"] / g["bare"]["verifies_per_s"],
-                      "two_over_one": g["two"]["verifies_per_s"] / g["one"]["verifies_per_s"]}
+                      "two_over_one": g["two"]["verifies_per_s"] / g["one"]["verifies_per_s"],
+                      "pair_over_one": g["pair"]["verifies_per_s"] / g["one"]["verifies_per_s"]}
                      for g in rounds]
         return RunRecord(metrics, notes={"rounds": per_round,
                                          "loadavg_1min_before_end": os.getloadavg()[0]})
@@ -1544,14 +1572,19 @@ _SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "two_verifies_per_s",
         "one_over_bare",
         "two_over_one",
+        "pair_verifies_per_s",
+        "pair_over_one",
+        "two_over_pair",
         "one_over_bare_by_cpu",
         "two_over_one_by_cpu",
         "bare_server_cpu_ms_per_verify",
         "one_server_cpu_ms_per_verify",
         "two_server_cpu_ms_per_verify",
+        "pair_server_cpu_ms_per_verify",
         "two_haproxy_cpu_ms_per_verify",
         "one_loadgen_cpu_ms_per_verify",
         "two_loadgen_cpu_ms_per_verify",
+        "pair_loadgen_cpu_ms_per_verify",
         "bare_server_cpu_pct",
         "one_server_cpu_pct",
         "two_server_cpu_pct",

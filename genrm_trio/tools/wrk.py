@@ -164,19 +164,25 @@ end
 
 
 async def run_wrk(url: str, bodies: BodyFactory, n: int, *, connections: int, window_s: int,
-                  workdir: Path, watch: Sequence[int] = ()) -> WrkResult:
+                  workdir: Path, watch: Sequence[int] = (),
+                  window_start: int | None = None) -> WrkResult:
     """Run wrk (one thread, ``connections`` keep-alive connections) against ``url/verify``
     with :func:`cohort_script` cohorts of ``n`` from ``bodies`` (the script is written into
     ``workdir``), and measure a window of ``window_s`` whole seconds that starts once the load
     has run for at least one second and ends a second before wrk stops: the answers in it, and
-    the CPU time of wrk and of the ``watch`` processes (pids) spent in it.
+    the CPU time of wrk and of the ``watch`` processes (pids) spent in it. ``window_start``
+    (a Unix second, at least one second ahead; by default the one two seconds after the next
+    full second) lets runs started together measure the same window.
 
     Blocks for about ``window_s + 3`` seconds (plus installing wrk on first use). Raises
-    :class:`LoadgenError` when wrk is missing, fails or reports nothing.
+    :class:`LoadgenError` when wrk is missing, fails or reports nothing, and ``ValueError`` when
+    ``window_start`` is less than a second away.
     """
     exe = await trio.to_thread.run_sync(ensure_wrk)
     now = time.time()
-    start = math.ceil(now) + 2
+    start = math.ceil(now) + 2 if window_start is None else window_start
+    if start < now + 1:
+        raise ValueError("window_start must leave at least one second of load before it")
     end = start + max(1, window_s)
     path = workdir / f"wrk-{time.time_ns()}.lua"
     path.write_text(cohort_script(bodies, n, (start, end)))
