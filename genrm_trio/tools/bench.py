@@ -1118,7 +1118,7 @@ def scaleout_case(
     """
     from genrm_trio.tools.bare import CANNED_JUDGE
     from genrm_trio.tools.haproxy import open_haproxy
-    from genrm_trio.tools.wrk import WrkResult, run_wrk
+    from genrm_trio.tools.wrk import WrkResult, ensure_wrk, run_wrk
 
     runs = 0
     replica_cmd = ours_command("", ServerSettings(n=n))
@@ -1195,6 +1195,9 @@ def scaleout_case(
         nonlocal runs
         runs += 1
         logs = ctx.out_dir / "logs"
+        # Installed (when missing) before any window is planned: drive() fixes one window
+        # start for every wrk it runs, seconds ahead, which an install would overrun.
+        await trio.to_thread.run_sync(ensure_wrk)
         async with contextlib.AsyncExitStack() as stack:
             bare = await stack.enter_async_context(launch_process(
                 bare_command(), log_path=logs / "scaleout-bare.log", ready_prefix=_READY_BARE))
