@@ -72,6 +72,26 @@ def test_summary_ratios_are_per_pair_medians() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
 
 
+def test_scaleout_goal_rows_never_round_a_miss_up_and_name_the_machine_limit() -> None:
+    """A two / one of 1.597 reads 1.597 and MISSED (not a "1.6" that was missed), and the
+    summary says whether the machine itself, with no HAProxy, could show 1.6x."""
+    def case(label: str, two_over_one: float, pair_over_one: float) -> bench.CaseResult:
+        record = bench.RunRecord({"two_over_one": two_over_one, "pair_over_one": pair_over_one,
+                                  "one_over_bare": 0.9})
+        result = bench.CaseResult("scaleout", label, {}, {"ours": [record]})
+        bench.summarize(result)
+        return result
+
+    rows = {goal: (value, verdict) for goal, value, verdict in bench._goal_rows([
+        case("n8-k32-2replicas-canned", 1.62, 1.45),
+        case("n8-k32-2replicas-builtin", 1.5974, 1.70)])}
+    assert rows["2 replicas behind HAProxy >= 1.6x one replica's verifies/s"] == ("1.620x", "met")
+    builtin = [v for g, v in rows.items() if "built-in judge" in g]
+    assert builtin == [("1.597x", "MISSED")]
+    limit = [v for g, v in rows.items() if g.startswith("this machine's own limit")]
+    assert limit == [("1.450x", "cannot show 1.6x")]
+
+
 async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> None:
     """A few seconds of the soak against a real server: every kind of traffic is sent and
     classified, nothing unexpected comes back, and the resource series are sampled."""

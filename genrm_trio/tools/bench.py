@@ -1637,9 +1637,13 @@ def _goal_rows(results: Sequence[CaseResult]) -> list[tuple[str, str, str]]:
         r = by.get((preset, label))
         return r.median_ratio.get(metric, math.nan) if r else math.nan
 
+    def shown(value: float) -> str:
+        # Three decimals below 10: a ratio of 1.597 must not read as a 1.6 that was missed.
+        return f"{value:.3f}" if abs(value) < 10 else _fmt(value)
+
     def add(goal: str, value: float, ok: Callable[[float], bool], unit: str) -> None:
         if _finite(value):
-            rows.append((goal, f"{_fmt(value)}{unit}", "met" if ok(value) else "MISSED"))
+            rows.append((goal, f"{shown(value)}{unit}", "met" if ok(value) else "MISSED"))
 
     so = ("scaleout", "n8-k32-2replicas-canned")
     for prefix, cpu in (("", ""), ("the same, CPU-bound on an idle machine (from CPU per verify): ",
@@ -1648,6 +1652,14 @@ def _goal_rows(results: Sequence[CaseResult]) -> list[tuple[str, str, str]]:
             med(*so, "ours", f"two_over_one{cpu}"), lambda v: v >= 1.6, "x")
         add(f"{prefix}one replica >= 80% of the bare Hypercorn app's verifies/s",
             med(*so, "ours", f"one_over_bare{cpu}"), lambda v: v >= 0.8, "x")
+    add("the same, with the built-in judge: 2 replicas behind HAProxy >= 1.6x one replica's "
+        "verifies/s", med("scaleout", "n8-k32-2replicas-builtin", "ours", "two_over_one"),
+        lambda v: v >= 1.6, "x")
+    pair = med(*so, "ours", "pair_over_one")
+    if _finite(pair):  # context for the 1.6x goal, not a goal of its own
+        rows.append(("this machine's own limit: 2 replicas, each driven directly (no HAProxy), "
+                     "over one replica's verifies/s", f"{shown(pair)}x",
+                     "can show 1.6x" if pair >= 1.6 else "cannot show 1.6x"))
     t = ("throughput", "n16-k16-judge50ms")
     add(
         "verifies/s at N=16,K=16,judge 50 ms >= 2.0x NeMo",
