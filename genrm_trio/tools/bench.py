@@ -1101,12 +1101,12 @@ def scaleout_case(
     (K x N connections to the bare app and to one replica, 2 x K x N through HAProxy to two),
     so each server sees the same depth of work: with K cohorts shared by two, each replica ran
     out of work at times (measured: 10 to 20 % fewer verifies/s through HAProxy at K = 32 than
-    at 64). The replicas judge
-    with :func:`genrm_trio.tools.bare.canned_judge` (``judge="canned"``: a plugin answering a
-    fixed verdict at once) or the built-in heuristic judge (``judge="builtin"``), both in
-    process, so all of them answer every request with one HTTP exchange and the bare app is the
-    limit of the HTTP stack they share; what a replica does beyond it is its own work
-    (decoding, the cohort, parsing verdicts, aggregating, answering).
+    at 64). The replicas judge with :func:`genrm_trio.tools.bare.canned_judge`
+    (``judge="canned"``: a plugin answering a fixed verdict at once) or the built-in heuristic
+    judge (``judge="builtin"``), both in process, so all of them answer every request with one
+    HTTP exchange and the bare app is the limit of the HTTP stack they share; what a replica
+    does beyond it is its own work (decoding, the cohort, parsing verdicts, aggregating,
+    answering).
 
     Metrics (medians over the rounds): verifies/s of each; ``one_over_bare``,
     ``two_over_one``, ``pair_over_one`` (what two replicas give on this machine with no
@@ -1154,7 +1154,8 @@ def scaleout_case(
         async with trio.open_nursery() as nursery:
             for i, (url, pids) in enumerate(setup.targets):
                 nursery.start_soon(one, i, url, pids)
-        cpu = sum(r.cpu_s[p] for r in results for p in setup.pids if p in r.cpu_s)
+        # Each run watched its own target's servers (and HAProxy, when it is the target).
+        cpu = sum(t for r in results for p, t in r.cpu_s.items() if p != setup.proxy_pid)
         wrk_cpu = sum(r.wrk_cpu_s for r in results)
         answered = sum(r.window_good for r in results)
         good, wall = max(answered, 1), results[0].window_s
@@ -1244,15 +1245,12 @@ def scaleout_case(
         for name, size in answer.items():
             metrics[f"{name}_answer_bytes"] = size
 
-        def ratio(a: str, b: str) -> float:
-            return median([
-                g[a]["verifies_per_s"] / g[b]["verifies_per_s"] for g in rounds])
-
-        metrics["one_over_bare"] = ratio("one", "bare")
-        metrics["two_over_one"] = ratio("two", "one")
-        metrics["two_over_bare"] = ratio("two", "bare")
-        metrics["pair_over_one"] = ratio("pair", "one")
-        metrics["two_over_pair"] = ratio("two", "pair")
+        pairs = (("one", "bare"), ("two", "one"), ("two", "bare"), ("pair", "one"),
+                 ("two", "pair"))
+        per_round = [{f"{a}_over_{b}": g[a]["verifies_per_s"] / g[b]["verifies_per_s"]
+                      for a, b in pairs} for g in rounds]
+        for ratio in per_round[0]:
+            metrics[ratio] = median([g[ratio] for g in per_round])
         # From CPU per verify, which barely depends on how busy the machine is: the verifies/s
         # each setup reaches on an otherwise idle machine with this many cores (each server
         # process bound by one core; all processes, load generator and HAProxy included, by
@@ -1271,10 +1269,6 @@ def scaleout_case(
             metrics[f"{name}_cpu_bound_verifies_per_s"] = value
         metrics["one_over_bare_by_cpu"] = bound["one"] / bound["bare"]
         metrics["two_over_one_by_cpu"] = bound["two"] / bound["one"]
-        per_round = [{"one_over_bare": g["one"]["verifies_per_s"] / g["bare"]["verifies_per_s"],
-                      "two_over_one": g["two"]["verifies_per_s"] / g["one"]["verifies_per_s"],
-                      "pair_over_one": g["pair"]["verifies_per_s"] / g["one"]["verifies_per_s"]}
-                     for g in rounds]
         return RunRecord(metrics, notes={"rounds": per_round,
                                          "loadavg_1min_before_end": os.getloadavg()[0]})
 
