@@ -12,7 +12,7 @@ import trio
 
 from genrm_trio.tools.loadgen import BodyFactory, LoadgenError
 from genrm_trio.tools.wrk import cohort_script, ensure_wrk, member_templates, run_wrk
-from tests.process_helpers import http_call, require_program, serve_process
+from tests.process_helpers import get_json, http_call, require_program, serve_process
 
 N = 4
 
@@ -53,11 +53,16 @@ async def test_wrk_sends_whole_cohorts_that_the_server_rewards(wrk: str, tmp_pat
         result = await run_wrk(server.url, BodyFactory(seed=5, run_tag="w"), N,
                                connections=4 * N, window_s=1, workdir=tmp_path,
                                watch=[server.proc.pid])
-        await trio.sleep(0.5)  # the in-flight members dropped at the end leave
+        # The members in flight when wrk stopped are dropped; their waiters go once their
+        # cohorts watch connections (DISCONNECT_WATCH_AFTER_S): poll, never a fixed sleep.
+        with trio.fail_after(30):
+            while True:
+                snapshot = (await get_json(server.host, server.port, "/status"))["cohorts"]
+                if snapshot["waiters"] == 0:
+                    break
+                await trio.sleep(0.05)
         status, _, body = await http_call(server.host, server.port, "GET", "/metrics")
         assert status == 200
-        _, _, raw = await http_call(server.host, server.port, "GET", "/status")
-        snapshot = json.loads(raw)["cohorts"]
     assert result.good > 10 * N and result.bad == 0, result
     assert 0 < result.window_good < result.good and result.window_bad == 0, result
     assert result.window_s == 1.0 and result.wrk_cpu_s > 0
