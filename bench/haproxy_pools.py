@@ -1,6 +1,6 @@
 """What HAProxy's shared memory cache (``-dMglobal``) saves in front of two replicas.
 
-    PYTHONPATH=$PWD python3 bench/haproxy_pools.py [--rounds 6] [--window 4]
+    python3 bench/haproxy_pools.py [--rounds 6] [--window 4]
 
 Starts two ``genrm-trio serve`` replicas (N = 8, the canned judge, as in the ``scaleout``
 preset) and two HAProxy processes in front of both, with the shipped config: one started as
