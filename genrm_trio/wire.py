@@ -55,6 +55,31 @@ Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 Attempt = Annotated[int, msgspec.Meta(le=INT64_MAX)]
 IdentityText = Annotated[str, msgspec.Meta(max_length=MAX_IDENTITY_CHARS)]
 
+#: NeMo Gym's rollout prefix: with ``observability_enabled`` its client sends every
+#: resources-server call as ``/ng-rollout/<rollout_id>/<path>``.
+ROLLOUT_PREFIX = "/ng-rollout/"
+#: NeMo Gym's rule for a rollout id (a path segment it also uses in file names).
+ROLLOUT_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
+#: Longest rollout id accepted (NeMo Gym sets none; ours is kept with the member).
+MAX_ROLLOUT_ID_CHARS = 512
+#: Where the app (server/app.py) leaves the rollout id in a prefixed request's ASGI scope.
+ROLLOUT_ID_SCOPE_KEY = "genrm.rollout_id"
+_PREFIXED = re.compile(r"/ng-rollout/([A-Za-z0-9][A-Za-z0-9._-]*)(/.*)", re.DOTALL)
+
+
+def strip_rollout_prefix(path: str) -> tuple[str, str | None] | None:
+    """Split NeMo Gym's rollout prefix off a request path: ``(path, None)`` for a plain path,
+    ``(rest, rollout_id)`` for ``/ng-rollout/<rollout_id><rest>``, None for a path under the
+    prefix whose id breaks :data:`ROLLOUT_ID_PATTERN` or :data:`MAX_ROLLOUT_ID_CHARS` (a 404,
+    as in NeMo Gym). The prefix is taken off once: the rest is routed as it is. Pure."""
+    if not path.startswith(ROLLOUT_PREFIX):
+        return path, None
+    match = _PREFIXED.fullmatch(path)
+    if match is None or len(match[1]) > MAX_ROLLOUT_ID_CHARS:
+        return None
+    return match[2], match[1]
+
+
 #: Top-level keys of /verify that the server interprets: each may appear once.
 _INTERPRETED_KEYS: tuple[str, ...] = (
     "responses_create_params", "response", "_ng_group_id", "group_id", "_ng_group_attempt",
@@ -92,6 +117,9 @@ class VerifyMember(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     attempt_given: bool
     size_bytes: int
+    #: NeMo Gym's rollout id, from the ``/ng-rollout/<rollout_id>/verify`` path (None without
+    #: the prefix): kept with the member for its cohort's disposition line and traces.
+    rollout_id: str | None = None
 
 
 class CompareRequest(msgspec.Struct, kw_only=True):
@@ -221,8 +249,8 @@ def _duplicated_key(raw: bytes) -> str | None:
     return None
 
 
-def decode_verify(raw: bytes, num_rollouts: int) -> VerifyMember:
-    """Validate a ``/verify`` body.
+def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None) -> VerifyMember:
+    """Validate a ``/verify`` body (``rollout_id``: NeMo Gym's, from the request path).
 
     Raises :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
     :class:`BadCoordinates` (422) for a missing or out-of-range rollout index or a negative
@@ -274,6 +302,7 @@ def decode_verify(raw: bytes, num_rollouts: int) -> VerifyMember:
         attempt=attempt or 0,
         attempt_given=attempt is not None,
         size_bytes=len(raw),
+        rollout_id=rollout_id,
     )
 
 

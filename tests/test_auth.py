@@ -41,7 +41,7 @@ def test_bearer_check_is_exact() -> None:
         [*ok, (b"authorization", b"Bearer other")],
     ):
         assert not auth.allows("/verify", headers), headers
-    for open_path in ("/health", "/healthz", "/readyz"):
+    for open_path in ("/", "/health", "/healthz", "/livez", "/readyz"):
         assert auth.allows(open_path, [])
     assert not auth.allows("/metrics", [])
 

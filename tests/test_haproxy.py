@@ -128,9 +128,9 @@ class Answer:
     body: Any
 
 
-async def post(stack: Stack, body: bytes) -> Answer:
+async def post(stack: Stack, body: bytes, path: str = "/verify") -> Answer:
     try:
-        answer = await stack.client.post(stack.url + "/verify", content=body,
+        answer = await stack.client.post(stack.url + path, content=body,
                                          headers={"content-type": "application/json"})
     except httpx2.TransportError:
         return Answer(loadgen.TRANSPORT_ERROR, None, None)
@@ -142,10 +142,13 @@ async def post(stack: Stack, body: bytes) -> Answer:
 
 
 async def send_group(stack: Stack, bodies: Sequence[bytes]) -> list[Answer]:
+    """All members at once; odd slots come as NeMo Gym sends them with observability on
+    (``/ng-rollout/<id>/verify``): HAProxy routes by the body, so they join their group."""
     answers: list[Answer | None] = [None] * len(bodies)
 
     async def one(i: int) -> None:
-        answers[i] = await post(stack, bodies[i])
+        answers[i] = await post(stack, bodies[i], f"/ng-rollout/t-{i}/verify" if i % 2 else
+                                "/verify")
 
     async with trio.open_nursery() as nursery:
         for i in range(len(bodies)):

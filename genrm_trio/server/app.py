@@ -7,12 +7,17 @@ keep-alive request on the same connection; a body refused as too large closes th
 instead), and every documented condition is a JSON answer with ``detail`` and ``failure_kind``;
 an unexpected exception is the only way to a 500.
 
+Every route also answers under NeMo Gym's rollout prefix, ``/ng-rollout/<rollout_id>/<path>``
+(what its client sends with ``observability_enabled``): :func:`with_verify_fast_path` strips it
+before anything else looks at the path, keeps the id (``/verify`` members carry it), and answers
+404 for an id that breaks NeMo Gym's rule, as NeMo Gym does.
+
 With ``auth_token_env`` set, :func:`with_verify_fast_path` checks the bearer token of every HTTP
-request but ``/health``, ``/healthz`` and ``/readyz`` before any route runs (server/auth.py) and
-answers 401 ``unauthorized``. A refused request's body is still read (up to
-:data:`UNAUTHORIZED_DRAIN_BYTES` and ``request_read_timeout_s``; past either the answer carries
-``Connection: close``) for the keep-alive reason above. Client disconnects, 429s and 401s are
-logged at most once per :data:`NOTE_INTERVAL_S` each, with a count.
+request but the probes (``/``, ``/health``, ``/healthz``, ``/livez``, ``/readyz``) before any
+route runs (server/auth.py) and answers 401 ``unauthorized``. A refused request's body is still
+read (up to :data:`UNAUTHORIZED_DRAIN_BYTES` and ``request_read_timeout_s``; past either the
+answer carries ``Connection: close``) for the keep-alive reason above. Client disconnects,
+429s and 401s are logged at most once per :data:`NOTE_INTERVAL_S` each, with a count.
 """
 
 from __future__ import annotations
@@ -127,8 +132,10 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         body = wire.decode_compare(await _read_body(), cfg.max_compare_responses)
         return await _compare(cfg, judge, body)
 
+    @app.get("/")
     @app.get("/health")
     @app.get("/healthz")
+    @app.get("/livez")
     async def health() -> Response:
         await request.get_data()
         return json_response({"status": "ok"})
@@ -225,13 +232,14 @@ class VerifyEndpoint:
         self._overloaded = RateLimitedNote(
             logger, "/verify refused a new cohort: 429 overloaded", NOTE_INTERVAL_S)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Any, receive: Any, send: Any,
+                       rollout_id: str | None = None) -> None:
         started = trio.current_time()
-        label = await self._answer(scope, receive, send)
+        label = await self._answer(scope, receive, send, rollout_id)
         if self._metrics is not None:
             self._metrics.observe_verify(label, trio.current_time() - started)
 
-    async def _answer(self, scope: Any, receive: Any, send: Any) -> str:
+    async def _answer(self, scope: Any, receive: Any, send: Any, rollout_id: str | None) -> str:
         """Read, decode, register, wait, answer. Returns the outcome label for metrics."""
         raw = await self._read_body(scope, receive, send)
         if isinstance(raw, str):
@@ -243,7 +251,7 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            member = wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt)
+            member = wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id)
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
@@ -392,16 +400,24 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
                     # answer. Seen with 413s to clients that close at once (bench soak).
                     pass
 
-        if auth is not None and not auth.allows(scope["path"], scope["headers"]):
+        routed = wire.strip_rollout_prefix(scope["path"])
+        if routed is None:
+            await _not_found(cfg, scope, receive, shielded_send)
+            return
+        path, rollout_id = routed
+        if rollout_id is not None:
+            scope = {**scope, "path": path, "raw_path": path.encode("utf-8", "surrogateescape"),
+                     wire.ROLLOUT_ID_SCOPE_KEY: rollout_id}
+        if auth is not None and not auth.allows(path, scope["headers"]):
             # Never log what the client sent: it may be a near-miss of the real token.
-            refused.note({"path": scope["path"][:100]})
+            refused.note({"path": path[:100]})
             if metrics is not None:
                 metrics.unauthorized()
             await _unauthorized(cfg, scope, receive, shielded_send)
-        elif scope["path"] != "/verify":
+        elif path != "/verify":
             await app(scope, receive, shielded_send)
         elif scope["method"] == "POST":
-            await verify(scope, receive, shielded_send)
+            await verify(scope, receive, shielded_send, rollout_id)
         else:
             await _send_json(
                 shielded_send, 405,
@@ -413,21 +429,40 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
     return application
 
 
+async def _not_found(cfg: Config, scope: Any, receive: Any, send: Any) -> None:
+    """404 for a path under ``/ng-rollout/`` whose rollout id is malformed. The body is
+    drained like a refused one (:func:`_drain_then_answer`)."""
+    detail = (f"no route for this path: the rollout id of /ng-rollout/<rollout_id>/<path> must "
+              f"match {wire.ROLLOUT_ID_PATTERN} and be at most {wire.MAX_ROLLOUT_ID_CHARS} "
+              "characters")
+    await _drain_then_answer(cfg, scope, receive, send, 404,
+                             wire.error_body(detail, "bad_request"), [])
+
+
 async def _unauthorized(cfg: Config, scope: Any, receive: Any, send: Any) -> None:
     """401 ``unauthorized``; the body is drained first (keep-alive stays usable) unless it is
     over :data:`UNAUTHORIZED_DRAIN_BYTES` or slower than ``request_read_timeout_s``, when the
     connection is closed instead."""
-    headers = [(b"www-authenticate", b'Bearer realm="genrm-trio"')]
+    await _drain_then_answer(cfg, scope, receive, send, 401,
+                             wire.error_body(UNAUTHORIZED_DETAIL, "unauthorized"),
+                             [(b"www-authenticate", b'Bearer realm="genrm-trio"')])
+
+
+async def _drain_then_answer(cfg: Config, scope: Any, receive: Any, send: Any, status: int,
+                             body: Any, headers: list[tuple[bytes, bytes]]) -> None:
+    """Answer a request refused before any route ran. Its body is read first (keep-alive stays
+    usable) unless it is over :data:`UNAUTHORIZED_DRAIN_BYTES` or slower than
+    ``request_read_timeout_s``, when the answer closes the connection instead."""
     declared = _declared_length(scope)
-    body: bytes | object | None = TOO_LARGE
+    received: bytes | object | None = TOO_LARGE
     if declared is None or declared <= UNAUTHORIZED_DRAIN_BYTES:
         with trio.move_on_after(cfg.request_read_timeout_s):
-            body = await read_body_within(receive, UNAUTHORIZED_DRAIN_BYTES)
-    if body is None:
+            received = await read_body_within(receive, UNAUTHORIZED_DRAIN_BYTES)
+    if received is None:
         return
-    if body is TOO_LARGE:
-        headers.append((b"connection", b"close"))
-    await _send_json(send, 401, wire.error_body(UNAUTHORIZED_DETAIL, "unauthorized"), headers)
+    if received is TOO_LARGE:
+        headers = [*headers, (b"connection", b"close")]
+    await _send_json(send, status, body, headers)
 
 
 async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Response:

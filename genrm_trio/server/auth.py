@@ -3,7 +3,8 @@
 The token is read once, at start, from the environment variable the config names
 (:func:`read_auth_token`); it lives only in the :class:`BearerAuth` object the app holds. Every
 endpoint except :data:`OPEN_PATHS` (liveness and readiness, which load balancers and
-orchestrators probe without credentials) needs ``Authorization: Bearer <token>``. The comparison
+orchestrators probe without credentials; also under NeMo Gym's ``/ng-rollout/<id>/`` prefix,
+which the app strips before asking) needs ``Authorization: Bearer <token>``. The comparison
 is :func:`hmac.compare_digest` over bytes, so its time does not depend on how much of a guess is
 right. Nothing here logs, formats or echoes the token or what a client sent.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from genrm_trio.config import Config
 from genrm_trio.errors import ConfigError
 
-OPEN_PATHS: frozenset[str] = frozenset({"/health", "/healthz", "/readyz"})
+OPEN_PATHS: frozenset[str] = frozenset({"/", "/health", "/healthz", "/livez", "/readyz"})
 UNAUTHORIZED_DETAIL = (
     "missing or invalid bearer token: send 'Authorization: Bearer <token>' with the token from "
     "the server's auth_token_env variable"

@@ -115,11 +115,13 @@ class CohortObserver(Protocol):
 
 
 class _Member:
-    __slots__ = ("digest", "response", "_answer")
+    __slots__ = ("digest", "response", "rollout_id", "_answer")
 
-    def __init__(self, digest: str, response: dict[str, Any]) -> None:
+    def __init__(self, digest: str, response: dict[str, Any],
+                 rollout_id: str | None = None) -> None:
         self.digest = digest
         self.response = response
+        self.rollout_id = rollout_id  # NeMo Gym's, from an /ng-rollout/<id>/ path
         self._answer: str | None = None
 
     @property
@@ -129,6 +131,17 @@ class _Member:
         if self._answer is None:
             self._answer = scoring.final_answer(self.response)
         return self._answer
+
+
+def _rollout_ids(cohort: Cohort) -> dict[str, str]:
+    """The disposition line's ``rollout_ids`` field (NeMo Gym's ids by slot, ``-`` for a slot
+    that had none), present only when some member came through an ``/ng-rollout/`` path. The
+    log formatter bounds a field's length."""
+    ids = [cohort.members[slot].rollout_id if slot in cohort.members else None
+           for slot in range(cohort.size)]
+    if all(i is None for i in ids):
+        return {}
+    return {"rollout_ids": ",".join(i or "-" for i in ids)}
 
 
 class Cohort:
@@ -594,7 +607,7 @@ class CohortRegistry:
 
     def _add_member(self, cohort: Cohort, slot: int, digest: str, member: VerifyMember) -> None:
         response = member.fields.response
-        cohort.members[slot] = _Member(digest, response)
+        cohort.members[slot] = _Member(digest, response, member.rollout_id)
         cohort.size_bytes += member.size_bytes
         self._active_bytes += member.size_bytes
         cohort.arrival.set()
@@ -785,6 +798,7 @@ class CohortRegistry:
                 "defaulted_comparisons": cohort.defaulted,
                 "judge_input_tokens": cohort.input_tokens,
                 "judge_output_tokens": cohort.output_tokens,
+                **_rollout_ids(cohort),
             },
         )
         if self._observer is not None:

@@ -78,6 +78,8 @@ def bounds() -> dict[str, Any]:
         "max_json_depth": wire.MAX_JSON_DEPTH,
         "integer_range": [wire.INT64_MIN, wire.INT64_MAX],
         "max_identity_chars": wire.MAX_IDENTITY_CHARS,
+        "rollout_id": f"/ng-rollout/<rollout_id>/...: {wire.ROLLOUT_ID_PATTERN}, at most "
+        f"{wire.MAX_ROLLOUT_ID_CHARS} characters: else 404",
         "max_request_bytes": "config max_request_bytes (default 16 MiB): 413",
         "max_compare_responses": "config max_compare_responses (default 128): 400",
         "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
@@ -183,8 +185,10 @@ def build_openapi() -> dict[str, Any]:
         "/seed_session": {"post": {"operationId": "seed_session", "responses": {"200": ok_json}}},
         "/close_session": {"post": {"operationId": "close_session",
                                     "responses": {"200": ok_json}}},
+        "/": {"get": {"operationId": "root", "responses": {"200": ok_json}}},
         "/health": {"get": {"operationId": "health", "responses": {"200": ok_json}}},
         "/healthz": {"get": {"operationId": "healthz", "responses": {"200": ok_json}}},
+        "/livez": {"get": {"operationId": "livez", "responses": {"200": ok_json}}},
         "/readyz": {"get": {"operationId": "readyz", "responses": {
             "200": ok_json, "503": _error("shutting down", ("shutdown",))}}},
         "/status": {"get": {"operationId": "status", "responses": {"200": ok_json}}},
@@ -193,6 +197,7 @@ def build_openapi() -> dict[str, Any]:
             "description": "Prometheus text exposition",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
+    paths.update(_rollout_prefixed(paths))
     return {
         "openapi": "3.1.0",
         "info": {
@@ -206,6 +211,26 @@ def build_openapi() -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": components},
     }
+
+
+def _rollout_prefixed(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every path again under NeMo Gym's rollout prefix, ``/ng-rollout/{rollout_id}/...``
+    (same operations, same bodies and bounds; a malformed id is a 404)."""
+    parameter = {
+        "name": "rollout_id", "in": "path", "required": True,
+        "description": "NeMo Gym's rollout id (sent with observability_enabled); kept with "
+        "the member. An id breaking the pattern or the length is answered 404.",
+        "schema": {"type": "string", "pattern": wire.ROLLOUT_ID_PATTERN,
+                   "maxLength": wire.MAX_ROLLOUT_ID_CHARS},
+    }
+    prefixed: dict[str, Any] = {}
+    for path, item in paths.items():
+        prefixed[f"/ng-rollout/{{rollout_id}}{path}"] = {
+            method: {**operation, "operationId": f"{operation['operationId']}_ng_rollout",
+                     "parameters": [parameter]}
+            for method, operation in item.items()
+        }
+    return prefixed
 
 
 def _version() -> str:

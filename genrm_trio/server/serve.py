@@ -28,7 +28,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from genrm_trio.config import Config
 from genrm_trio.server.app import create_app, with_verify_fast_path
-from genrm_trio.server.auth import BearerAuth, read_auth_token
+from genrm_trio.server.auth import OPEN_PATHS, BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
@@ -139,7 +139,7 @@ async def _serve_in(
                 cfg.num_rollouts_per_prompt)
     if auth is not None:  # the variable's name only, never its value
         logger.info("inbound auth: a bearer token from $%s is required on every endpoint but "
-                    "/health, /healthz and /readyz", cfg.auth_token_env)
+                    "the probes (%s)", cfg.auth_token_env, ", ".join(sorted(OPEN_PATHS)))
     task_status.started(url)
 
 
