@@ -46,7 +46,14 @@ logger = logging.getLogger(__name__)
 
 JSON = "application/json"
 UNAUTHORIZED_DRAIN_BYTES = 64 * 1024
-"""A refused request's body is read up to this size; a longer one closes the connection."""
+"""A refused request's body is read up to this size, and the connection kept; a longer one is
+answered at once, discarded (:func:`answer_then_discard`) and the connection closed."""
+DISCARD_BYTES = 64 * 2**20
+"""After an answer that closes the connection before the body was read (413, a refused large
+body), at most this much more of the body is read and discarded, so a client that writes its
+whole body before reading finds the answer instead of a reset."""
+DISCARD_S = 10.0
+"""... and for at most this long."""
 NOTE_INTERVAL_S = 10.0
 """At most one log line per this many seconds for disconnects, 429s and 401s each."""
 
@@ -280,14 +287,14 @@ class VerifyEndpoint:
         limit = self._cfg.max_request_bytes
         declared = _declared_length(scope)
         if declared is not None and declared > limit:
-            await self._too_large(send)
+            await self._too_large(receive, send)
             return "too_large"
         with trio.move_on_after(self._cfg.request_read_timeout_s):
             body = await read_body_within(receive, limit)
             if body is None:
                 return "disconnected"
             if body is TOO_LARGE:
-                await self._too_large(send)
+                await self._too_large(receive, send)
                 return "too_large"
             assert isinstance(body, bytes)
             return body
@@ -297,15 +304,47 @@ class VerifyEndpoint:
                          [(b"connection", b"close")])
         return "request_timeout"
 
-    async def _too_large(self, send: Any) -> None:
-        # The rest of the body stays unread, so the connection must not be reused.
-        detail = f"request body exceeds max_request_bytes ({self._cfg.max_request_bytes} bytes)"
-        await _send_json(send, 413, wire.error_body(detail, "too_large"),
-                         [(b"connection", b"close")])
+    async def _too_large(self, receive: Any, send: Any) -> None:
+        await answer_too_large(self._cfg, receive, send)
 
 
 TOO_LARGE = object()
 """What :func:`read_body_within` returns for a body over its limit."""
+
+
+async def answer_too_large(cfg: Config, receive: Any, send: Any) -> None:
+    """413 ``too_large`` for a body over ``max_request_bytes``, then the rest of the body
+    discarded (:func:`answer_then_discard`) and the connection closed."""
+    detail = f"request body exceeds max_request_bytes ({cfg.max_request_bytes} bytes)"
+    await answer_then_discard(receive, send, 413, wire.error_body(detail, "too_large"), [])
+
+
+async def answer_then_discard(receive: Any, send: Any, status: int, body: Any,
+                              headers: list[tuple[bytes, bytes]]) -> None:
+    """Answer with ``Connection: close`` while the client may still be sending its body, then
+    read and discard what it sends (at most :data:`DISCARD_BYTES` and :data:`DISCARD_S`), then
+    end the answer, which is when Hypercorn closes the connection (RFC 9112, 9.6). Closing with
+    the body unread would make the kernel reset the connection, and a client that writes its
+    whole body before reading (curl, urllib, requests) would see a broken pipe, never the
+    answer. The answer's bytes go out first, so a client that reads while it sends stops at
+    once. Returns early when the client goes away."""
+    payload = wire.JSON_ENCODER.encode(body)
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()), *headers,
+                    (b"connection", b"close")],
+    })
+    await send({"type": "http.response.body", "body": payload, "more_body": True})
+    with trio.move_on_after(DISCARD_S):
+        discarded = 0
+        while discarded <= DISCARD_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+            discarded += len(message.get("body", b""))
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def read_body_within(receive: Any, limit: int) -> bytes | object | None:
@@ -415,7 +454,11 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
                 metrics.unauthorized()
             await _unauthorized(cfg, scope, receive, shielded_send)
         elif path != "/verify":
-            await app(scope, receive, shielded_send)
+            declared = _declared_length(scope)
+            if declared is not None and declared > cfg.max_request_bytes:
+                await answer_too_large(cfg, receive, shielded_send)
+            else:
+                await app(scope, receive, shielded_send)
         elif scope["method"] == "POST":
             await verify(scope, receive, shielded_send, rollout_id)
         else:
@@ -452,17 +495,18 @@ async def _drain_then_answer(cfg: Config, scope: Any, receive: Any, send: Any, s
                              body: Any, headers: list[tuple[bytes, bytes]]) -> None:
     """Answer a request refused before any route ran. Its body is read first (keep-alive stays
     usable) unless it is over :data:`UNAUTHORIZED_DRAIN_BYTES` or slower than
-    ``request_read_timeout_s``, when the answer closes the connection instead."""
+    ``request_read_timeout_s``; then the answer goes out at once, the rest of the body is
+    discarded and the connection closed (:func:`answer_then_discard`)."""
     declared = _declared_length(scope)
-    received: bytes | object | None = TOO_LARGE
     if declared is None or declared <= UNAUTHORIZED_DRAIN_BYTES:
         with trio.move_on_after(cfg.request_read_timeout_s):
             received = await read_body_within(receive, UNAUTHORIZED_DRAIN_BYTES)
-    if received is None:
-        return
-    if received is TOO_LARGE:
-        headers = [*headers, (b"connection", b"close")]
-    await _send_json(send, status, body, headers)
+            if received is None:
+                return
+            if received is not TOO_LARGE:
+                await _send_json(send, status, body, headers)
+                return
+    await answer_then_discard(receive, send, status, body, headers)
 
 
 async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Response:
