@@ -94,9 +94,13 @@ def test_scaleout_goal_rows_never_round_a_miss_up_and_name_the_machine_limit() -
 
 async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> None:
     """A few seconds of the soak against a real server: every kind of traffic is sent and
-    classified, nothing unexpected comes back, and the resource series are sampled."""
+    classified, nothing unexpected comes back, nothing is left over once it settles, and the
+    resource series are sampled. How much a few seconds grow RSS and descriptors depends on how
+    many requests this machine sends in them, so growth is reported, not gated, here (the
+    gating itself is tested on fixed samples below; the soak preset gates on it)."""
     case = soak_case(duration_s=3.0, capacity_s=1.0, capacity_k=16, sample_s=0.2,
-                     rss_tolerance_mb=64.0, collection_timeout_s=2.0)
+                     collection_timeout_s=2.0, gate_growth=False)
+    assert case.resize is not None and case.resize(4.0).params["gate_growth"] is False
     record = await case.run(bench.BenchContext(tmp_path, None), "ours", "soak-smoke")
     notes = record.notes
     assert notes["failed_checks"] == [], notes
@@ -140,6 +144,12 @@ def test_soak_checks_fail_on_growth_unexpected_answers_and_leftovers() -> None:
     leaking = _samples([200.0] * 50, [300 + 2 * i for i in range(50)])
     _, failed = soak_checks(leaking, unexpected=0, leftover=idle, **kwargs)
     assert len(failed) == 1 and failed[0].startswith("open descriptors"), failed
+    # Ungated (a smoke run), the same growth is reported and fails nothing else.
+    figures, failed = soak_checks(leaking, unexpected=0, leftover=idle, gate_growth=False,
+                                  **kwargs)
+    assert failed == [] and figures["fds_growth"] > 64
+    _, failed = soak_checks(growing, unexpected=2, leftover=idle, gate_growth=False, **kwargs)
+    assert failed == ["2 unexpected answers (see notes.unexpected_examples)"]
     # The same growth, all of it judge connections (a pool filling to its idle cap): passes.
     pooled = [SoakSample(x.t_s, x.rss_bytes, x.fds, judge_connections=2 * i)
               for i, x in enumerate(leaking)]
@@ -154,6 +164,7 @@ def test_soak_checks_fail_on_growth_unexpected_answers_and_leftovers() -> None:
 def test_soak_preset_gates_and_takes_a_duration() -> None:
     (case,) = bench.PRESETS["soak"]()
     assert case.params["duration_s"] == 600.0 and case.kinds == ("ours",)
+    assert case.params["gate_growth"] is True
     assert case.resize is not None and case.resize(42.0).params["duration_s"] == 42.0
     ok = bench.RunRecord({}, notes={"failed_checks": []})
     bad = bench.RunRecord({}, notes={"failed_checks": ["RSS grew 40.0 MB"]})

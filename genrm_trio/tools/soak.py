@@ -24,9 +24,12 @@ answer, on RSS growth over the measured window beyond ``max(rss_tolerance_fracti
 window's start, rss_tolerance_mb)``, on open-descriptor growth (median of the window's last
 tenth minus median of its first tenth, the judge pool's connections left out: the pool keeps up
 to its idle cap after a burst) beyond ``fd_tolerance``, on a cohort or waiter left behind once
-the load has stopped, or on an ERROR line in the server's log. The window starts after
-``warm_fraction`` of the run: records and the judge connection pool fill up to their caps first,
-which is growth by design.
+the load has stopped, or on an ERROR line in the server's log. The growth checks gate only
+with ``gate_growth`` (the preset): how much a run of a few seconds grows depends on how many
+requests the machine sends in them, so a smoke run reports growth without gating on it and
+checks only what holds at any speed (no unexpected answer, nothing left over, no error
+line). The window starts after ``warm_fraction`` of the run: records and the judge connection
+pool fill up to their caps first, which is growth by design.
 """
 
 from __future__ import annotations
@@ -107,8 +110,10 @@ def soak_checks(
     rss_tolerance_mb: float,
     rss_tolerance_fraction: float,
     fd_tolerance: int,
+    gate_growth: bool = True,
 ) -> tuple[dict[str, float], list[str]]:
-    """The soak's resource figures and its failed checks (empty: passed). Pure."""
+    """The soak's resource figures and its failed checks (empty: passed); RSS and descriptor
+    growth are failed checks only with ``gate_growth``. Pure."""
     window = _window(samples, warm_fraction)
     failed: list[str] = []
     figures: dict[str, float] = {}
@@ -140,7 +145,7 @@ def soak_checks(
     rss_growth = (last.rss_bytes - first.rss_bytes) / mb
     figures["rss_growth_mb"] = rss_growth
     figures["rss_allowed_growth_mb"] = rss_allowed
-    if rss_growth > rss_allowed:
+    if gate_growth and rss_growth > rss_allowed:
         failed.append(f"RSS grew {rss_growth:.1f} MB over the window (allowed {rss_allowed:.1f})")
     tenth = max(1, len(window) // 10)
 
@@ -152,7 +157,7 @@ def soak_checks(
     figures["fds_growth"] = fds_growth
     figures["judge_connections_end"] = float(last.judge_connections)
     figures["judge_connections_max"] = float(max(s.judge_connections for s in window))
-    if fds_growth > fd_tolerance:
+    if gate_growth and fds_growth > fd_tolerance:
         failed.append(f"open descriptors (judge connections left out) grew by "
                       f"{fds_growth:.0f} (allowed {fd_tolerance})")
     return figures, failed
@@ -285,6 +290,7 @@ def soak_case(
     fd_tolerance: int = 64,
     max_compare_responses: int = 128,
     collection_timeout_s: float = 30.0,
+    gate_growth: bool = True,
 ) -> Case:
     """The soak: ``duration_s`` of open-loop load at ``load_fraction`` of the capacity measured
     first (closed loop, ``capacity_k`` cohorts in flight for ``capacity_s``; or
@@ -294,7 +300,9 @@ def soak_case(
     send their last member; hostile requests arrive at ``hostile_fraction`` of the member rate.
     ``collection_timeout_s`` is long enough that a normal cohort (members sent within 20 ms)
     never meets it, even when a machine shared with other work stalls the load for seconds;
-    the abandoned cohorts wait it out. See the module docstring for what passes. Ours only."""
+    the abandoned cohorts wait it out. ``gate_growth=False`` (smoke runs) reports RSS and
+    descriptor growth without failing on it. See the module docstring for what passes. Ours
+    only."""
     params: dict[str, Any] = {
         "gate": True, "duration_s": duration_s, "n": n, "judge_ms": judge_ms,
         "load_fraction": load_fraction, "fault_rate": fault_rate,
@@ -302,7 +310,7 @@ def soak_case(
         "hostile_fraction": hostile_fraction, "sample_s": sample_s,
         "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
         "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
-        "collection_timeout_s": collection_timeout_s,
+        "collection_timeout_s": collection_timeout_s, "gate_growth": gate_growth,
     }
     settings = ServerSettings(
         n=n, collection_timeout_s=collection_timeout_s, result_ttl_s=60.0,
@@ -461,7 +469,8 @@ def soak_case(
         figures, failed = soak_checks(
             samples, unexpected=tally.unexpected, leftover=leftover,
             warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
-            rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance)
+            rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
+            gate_growth=gate_growth)
         third = duration_s / 3
         early = [s for t, s in tally.latencies if t < third]
         late = [s for t, s in tally.latencies if t >= 2 * third]
@@ -510,7 +519,7 @@ def soak_case(
             sample_s=sample_s, warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
             rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
             max_compare_responses=max_compare_responses,
-            collection_timeout_s=collection_timeout_s)
+            collection_timeout_s=collection_timeout_s, gate_growth=gate_growth)
 
     return Case("soak", f"{duration_s:g}s-n{n}-load{load_fraction:g}", run, params,
                 kinds=("ours",),
