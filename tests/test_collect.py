@@ -250,6 +250,10 @@ async def test_mock_policy_is_varied_and_deterministic(autojump_clock: trio.abc.
                  for _ in range(4)]
     assert answers_a == answers_b
     assert len(set(answers_a)) == 4
+    # OpenAI's usage schema requires both detail objects (NeMo Gym's model servers check it).
+    usage = (await call_app(second, "POST", "/v1/responses", body))[1]["usage"]
+    assert usage["input_tokens_details"] == {"cached_tokens": 0}
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
     other = MockPolicyApp(MockPolicySettings(seed=4), MockPolicyState())
     assert text_of((await call_app(other, "POST", "/v1/responses", body))[1]) != answers_a[0]
     assert first.state.generation_requests == 4

@@ -135,6 +135,9 @@ async def test_responses_api_answers_the_heuristic_verdict(
     assert (item["type"], item["role"], item["status"]) == ("message", "assistant", "completed")
     assert item["content"][0]["annotations"] == []
     assert payload["usage"]["total_tokens"] > 0
+    # OpenAI's usage schema requires both detail objects (NeMo Gym's model servers check it).
+    assert payload["usage"]["input_tokens_details"] == {"cached_tokens": 0}
+    assert payload["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
     text = answer_text(RESPONSES_PATH, payload)
     assert text == scoring.heuristic_judge_text(HISTORY, ANSWER_A, ANSWER_B, principle)
     verdict = scoring.parse_judge_output(text, 3.0, 3.5)

@@ -22,7 +22,9 @@ def responses_object(
     input_tokens: int, output_tokens: int, **usage_extra: Any,
 ) -> dict[str, Any]:
     """A ``/v1/responses`` answer. ``status`` other than ``completed`` adds the
-    ``incomplete_details`` a length cut-off reports."""
+    ``incomplete_details`` a length cut-off reports. ``usage`` carries both token detail objects
+    OpenAI's schema requires (clients that validate it, such as NeMo Gym's model servers, reject
+    a usage without them); ``usage_extra`` overrides them."""
     return {
         "id": ident,
         "object": "response",
@@ -41,6 +43,8 @@ def responses_object(
             "input_tokens": input_tokens,
             "output_tokens": output_tokens,
             "total_tokens": input_tokens + output_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
             **usage_extra,
         },
     }
