@@ -528,6 +528,11 @@ def _file_tree(doc: Any) -> dict[str, Any]:
     if not doc:
         return {}
     block, where = _select_block(doc)
+    return _block_tree(block, where)
+
+
+def _block_tree(block: Mapping[Any, Any], where: str) -> dict[str, Any]:
+    """Our keys of one server mapping (NeMo-only keys dropped); ``where`` names it in messages."""
     tree: dict[str, Any] = {}
     for key, value in block.items():
         if not isinstance(key, str) or key not in _CONFIG_KEYS | NEMO_IGNORED_KEYS:
@@ -727,6 +732,30 @@ def load_config(
     of range. The returned Config is frozen and owned by the caller.
     """
     tree = _file_tree(_read_yaml_file(path)) if path is not None else {}
+    return _layered_config(tree, overrides, env)
+
+
+def load_config_block(
+    block: Mapping[str, Any],
+    where: str,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Like :func:`load_config`, with a NeMo Gym server mapping in place of the file.
+
+    ``block``: the server's mapping, already picked out of NeMo Gym's resolved config (see
+    :mod:`genrm_trio.nemo_env`); its keys are read as a ``genrm_compare`` block in a file is
+    (NeMo-only keys ignored, null ``host``/``port`` keep the default). ``where`` names the block
+    in messages. Never blocks beyond what :func:`load_config` does; raises the same
+    :class:`ConfigError`.
+    """
+    return _layered_config(_block_tree(block, where), overrides, env)
+
+
+def _layered_config(
+    tree: dict[str, Any], overrides: Sequence[str], env: Mapping[str, str] | None
+) -> Config:
+    """Apply the environment and ``overrides`` to the file's ``tree``, then build the Config."""
     if tree.get("judge", {}) is None:
         del tree["judge"]  # `judge:` with every sub-key commented out
     sources: dict[str, str] = {}
