@@ -12,16 +12,21 @@ SIGTERM (every waiter gets its 503 ``shutdown`` answer), then exits 130, while S
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from genrm_trio.errors import ConfigError
+
+if TYPE_CHECKING:
+    from genrm_trio.config import Config
+    from genrm_trio.nemo_env import NemoServerBlock
 
 DEFAULT_CONFIG = os.path.join("configs", "default.yaml")
 
@@ -126,12 +131,51 @@ def main() -> None:
     genrm_compare, with its collector, mock judge, benchmarks and torture tests."""
 
 
+def exit_config_error(exc: ConfigError) -> NoReturn:
+    """Print the one configuration error line and exit 2."""
+    click.echo(f"genrm-trio: invalid configuration: {exc}", err=True)
+    sys.exit(2)
+
+
+def load_nemo_block() -> NemoServerBlock:
+    """The NeMo Gym block this process was launched for (genrm_trio/nemo_env.py); exit 2 with
+    one line when the variables are missing or the block is not a resources server."""
+    from genrm_trio.nemo_env import read_nemo_env
+
+    try:
+        return read_nemo_env(os.environ)
+    except ConfigError as exc:
+        exit_config_error(exc)
+
+
+def _from_nemo_config(
+    sets: Sequence[str], extra: Sequence[str]
+) -> tuple[NemoServerBlock, Config]:
+    """The server config from NeMo Gym's block, then the environment and ``--set``; exit 2 with
+    one line on any problem, also when an override moves the server off the block's address."""
+    from genrm_trio.config import load_config_block
+    from genrm_trio.nemo_env import check_served_address
+
+    found = load_nemo_block()
+    try:
+        cfg = load_config_block(found.config_block(), found.where, [*extra, *sets], os.environ)
+        check_served_address(found, cfg.host, cfg.port)
+    except ConfigError as exc:
+        exit_config_error(exc)
+    return found, cfg
+
+
 @main.command()
 @server_options
 @click.option("--judge-url", "judge_urls", multiple=True, metavar="URL",
               help="Judge base URL without /v1 (repeatable). None: the built-in judge.")
+@click.option("--from-nemo-gym-env", "from_nemo", is_flag=True,
+              help="Take host, port and the genrm_compare keys from the block NeMo Gym's "
+                   "`gym env start` launched this process for (NEMO_GYM_CONFIG_DICT, "
+                   "NEMO_GYM_CONFIG_PATH) instead of a config file; see "
+                   "resources_servers/genrm_trio/.")
 def serve(host: str | None, port: int | None, config_path: str | None, sets: tuple[str, ...],
-          judge_urls: tuple[str, ...]) -> None:
+          judge_urls: tuple[str, ...], from_nemo: bool) -> None:
     """Run the /verify and /compare server until SIGINT or SIGTERM."""
     import trio
 
@@ -140,15 +184,28 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
     extra = host_port_overrides(host, port)
     if judge_urls:
         extra.append("judge.base_urls=[" + ", ".join(f'"{u}"' for u in judge_urls) + "]")
-    cfg = load_cli_config(config_path, sets, extra)
-    setup_logging(cfg.log_level, cfg.log_format)
+    if from_nemo:
+        clash = [flag for flag, value in (("--config", config_path), ("--host", host),
+                                          ("--port", port)) if value is not None]
+        if clash:
+            click.echo(f"genrm-trio: {clash[0]} cannot be combined with --from-nemo-gym-env "
+                       "(NeMo Gym's block sets the config, host and port)", err=True)
+            sys.exit(2)
+        nemo, cfg = _from_nemo_config(sets, extra)
+        setup_logging(cfg.log_level, cfg.log_format)
+        judge = "" if nemo.judge_server is None else (
+            f"; judge: NeMo Gym model server {nemo.judge_server} (genrm_model_server)")
+        logging.getLogger(__name__).info(
+            "config from NeMo Gym block %s at %s%s", nemo.where, nemo.url, judge)
+    else:
+        cfg = load_cli_config(config_path, sets, extra)
+        setup_logging(cfg.log_level, cfg.log_format)
     from genrm_trio.server.auth import read_auth_token
 
     try:  # fail fast, with one line, before anything is bound
         read_auth_token(cfg, os.environ)
     except ConfigError as exc:
-        click.echo(f"genrm-trio: invalid configuration: {exc}", err=True)
-        sys.exit(2)
+        exit_config_error(exc)
     if cfg.state_dir is not None:
         from genrm_trio.server.journal import Journal, JournalError
 
@@ -170,6 +227,44 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
         sys.exit(2)
     if received == signal.SIGINT:
         exit_interrupted()
+
+
+@main.command("nemo-gym-external")
+def nemo_gym_external() -> None:
+    """Stand in, under NeMo Gym's `gym env start`, for a genrm-trio that runs elsewhere.
+
+    NeMo Gym 0.7.0 only lets an agent reference a resources-server block that has an
+    entrypoint, and it launches every such block. This entry (resources_servers/genrm_trio/
+    external.py) is what it launches when the block's host and port name a genrm-trio started
+    outside NeMo Gym: it checks the block, serves nothing, and waits for NeMo Gym's stop signal
+    (SIGINT, or SIGTERM: exit 0). NeMo Gym's own readiness check calls the block's address,
+    i.e. the external server.
+    """
+    import trio
+
+    from genrm_trio.nemo_env import check_external_block
+
+    found = load_nemo_block()
+    try:
+        check_external_block(found)
+    except ConfigError as exc:
+        exit_config_error(exc)
+    line = (f"genrm-trio: NeMo Gym block {found.where} uses the genrm-trio at {found.url}, "
+            "started outside NeMo Gym; this process serves nothing and waits to be stopped")
+    if trio.run(_wait_for_stop_signal, line) == signal.SIGINT:
+        exit_interrupted()
+
+
+async def _wait_for_stop_signal(ready_line: str) -> int:
+    """Print ``ready_line`` once SIGINT and SIGTERM are caught, then block until one of them
+    arrives; return its number."""
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        click.echo(ready_line, err=True)
+        async for signum in signals:
+            return int(signum)
+    raise AssertionError("the signal receiver never ends")  # pragma: no cover
 
 
 def _config_error(exc: BaseException) -> ConfigError | None:
