@@ -267,6 +267,9 @@ def ensure_nemo_venv(venv: Path) -> Path | str:
                 "-q",
                 "--ignore-requires-python",
                 f"nemo-gym=={NEMO_VERSION}",
+                # NeMo Gym's `gym env start` builds the venv of every server it launches with
+                # uv (tests/test_nemo_gym.py launches genrm-trio's folder through it).
+                "uv",
             ],
         ]
         for step in steps:
