@@ -179,6 +179,24 @@ async def test_duplicate_waiters_count_towards_max_active_bytes(
         registry.begin_shutdown()
 
 
+async def test_the_default_budget_is_resolved_by_the_registry(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    cfg = cfg_for(memory_limit_bytes=8 * 2**20)  # auto: a quarter, 2 MiB
+    one = member(cfg, 0, group="a", text="a" * 1_500_000).size_bytes
+    async with open_registry(cfg, ScriptedJudge()) as registry, trio.open_nursery() as nursery:
+        out = Outcomes(registry, nursery)
+        out.send("a0", member(cfg, 0, group="a", text="a" * 1_500_000))
+        await trio.testing.wait_all_tasks_blocked()
+        assert registry.snapshot()["active_bytes"] == one < 2 * 2**20
+        out.send("b0", member(cfg, 0, group="b", text="a" * 1_500_000))  # still under: admitted
+        await trio.testing.wait_all_tasks_blocked()
+        refused = await registry.verify(member(cfg, 0, group="c"))
+        assert isinstance(refused, Failure) and refused.kind == "overloaded"
+        assert f"max_active_bytes ({2 * 2**20}) reached" in refused.detail
+        registry.begin_shutdown()
+
+
 async def test_a_trickled_body_gets_408_at_the_read_deadline(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -1,6 +1,7 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
-Ownership: :func:`run_server` opens the judge (its HTTP clients), then the registry (which owns its
+Ownership: :func:`run_server` resolves the machine-dependent config defaults (``max_active_bytes:
+auto``, server/memory.py), opens the judge (its HTTP clients), then the registry (which owns its
 own nursery, where every cohort task lives), then the root nursery that runs Hypercorn. A cohort's
 failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is
 one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
@@ -26,7 +27,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from genrm_trio.config import Config
+from genrm_trio.config import Config, format_bytes
+from genrm_trio.server import memory
 from genrm_trio.server.app import create_app, with_verify_fast_path
 from genrm_trio.server.auth import BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
@@ -81,6 +83,10 @@ async def run_server(
     """
     stop = shutdown if shutdown is not None else trio.Event()
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
+    cfg = memory.resolved(cfg)
+    logger.info("max_active_bytes: %s (%s)",
+                "unlimited" if cfg.max_active_bytes is None
+                else format_bytes(cfg.max_active_bytes), cfg.max_active_bytes_source)
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
