@@ -177,6 +177,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # Ours [ext].
     host: str = "127.0.0.1"
     port: int = 8000
+    probe_port: int | None = None
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     judge_max_concurrency: int = 1024
     judge_retry_backoff_max_s: float = 10.0
@@ -453,6 +454,9 @@ def _validate_config(cfg: Config) -> None:
         )
     _non_empty("host", cfg.host, nullable=False)
     _number("port", cfg.port, ge=0, le=65535, integer=True)
+    _number("probe_port", cfg.probe_port, ge=0, le=65535, nullable=True, integer=True)
+    if cfg.probe_port is not None and cfg.probe_port == cfg.port != 0:
+        raise ConfigError("probe_port", f"must differ from port ({cfg.port})")
     if not isinstance(cfg.judge, JudgeConfig):
         raise ConfigError("judge", f"expected a JudgeConfig, got {_show(cfg.judge)}")
     _number("judge_max_concurrency", cfg.judge_max_concurrency, ge=1, integer=True)

@@ -383,6 +383,7 @@ INVALID: list[tuple[str, Any]] = [
     *[("max_active_cohorts", v) for v in (0, -1)],
     *[("max_active_bytes", v) for v in (0, -1, "lots", "AUTO", 1.5, "[1]")],
     *[("memory_limit_bytes", v) for v in (0, -1, None, "lots", 2.5)],
+    *[("probe_port", v) for v in (-1, 65536, "http", 8000)],  # 8000: the default port
     *[("log_level", v) for v in ("TRACE", "CRITICAL", 10)],
     *[("judge.max_connections_per_client", v) for v in (0, 17, -1)],
     ("judge.endpoint_failure_threshold", 0),
@@ -468,6 +469,9 @@ def test_base_urls_are_normalised(url: str, normalised: str) -> None:
         ("max_active_bytes", 1),
         ("memory_limit_bytes", "auto"),
         ("memory_limit_bytes", 1),
+        ("probe_port", 0),
+        ("probe_port", 9000),
+        ("probe_port", None),
         ("num_rollouts_per_prompt", 1),
         ("judge.max_connections_per_client", 1),
         ("judge.max_connections_per_client", 16),
@@ -534,9 +538,17 @@ def test_auto_keys_are_checked_on_direct_construction_too() -> None:
     assert info.value.key == "memory_limit_bytes"
 
 
+def test_probe_port_may_not_be_the_main_port_but_both_may_be_zero() -> None:
+    err = error_for(overrides=["port=9100", "probe_port=9100"])
+    assert str(err) == ("config key 'probe_port': must differ from port (9100) "
+                        "(from --set 'probe_port=9100')")
+    assert load_config(overrides=["port=0", "probe_port=0"], env={}).probe_port == 0
+
+
 def test_defaults_of_the_safe_by_default_keys() -> None:
     cfg = Config()
-    assert (cfg.max_active_bytes, cfg.memory_limit_bytes) == ("auto", "auto")
+    assert (cfg.max_active_bytes, cfg.memory_limit_bytes, cfg.probe_port) == (
+        "auto", "auto", None)
 
 
 # --------------------------------------------------------------------------- summary
