@@ -1340,7 +1340,7 @@ def _flood_cases() -> list[Case]:
 
     return [
         flood_case("auto-2GiB"),
-        flood_case("auto-2GiB-deep-queue", sends_in_flight=32),
+        flood_case("auto-2GiB-deep-queue", sends_in_flight=128),  # about 1,100 queued
         flood_case("auto-2GiB-emoji", extra_char="\U0001F600"),
         flood_case("unlimited", max_active_bytes="null", rss_stop_bytes=3 * 2**30),
     ]
