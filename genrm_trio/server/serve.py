@@ -30,7 +30,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from genrm_trio.config import Config, format_bytes
+from genrm_trio.config import Config, ResolvedConfig, format_bytes
 from genrm_trio.errors import ConfigError
 from genrm_trio.server import memory
 from genrm_trio.server.app import create_app, with_verify_fast_path
@@ -89,9 +89,6 @@ async def run_server(
     stop = shutdown if shutdown is not None else trio.Event()
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
     cfg = memory.resolved(cfg)
-    logger.info("max_active_bytes: %s (%s)",
-                "unlimited" if cfg.max_active_bytes is None
-                else format_bytes(cfg.max_active_bytes), cfg.max_active_bytes_source)
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
@@ -112,8 +109,8 @@ async def run_server(
 
 
 async def _serve_in(
-    cfg: Config, judge: Judge, registry: CohortRegistry, root: trio.Nursery, stop: trio.Event,
-    drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
+    cfg: ResolvedConfig, judge: Judge, registry: CohortRegistry, root: trio.Nursery,
+    stop: trio.Event, drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
     task_status: trio.TaskStatus[str],
 ) -> None:
     """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``, and
@@ -167,6 +164,9 @@ async def _serve_in(
     root.start_soon(_abort_connections_at_deadline, drain, int(url.rsplit(":", 1)[1]))
     logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
                 cfg.num_rollouts_per_prompt)
+    logger.info("max_active_bytes: %s (%s)",
+                "unlimited" if cfg.max_active_bytes is None
+                else format_bytes(cfg.max_active_bytes), cfg.max_active_bytes_source)
     main_serving.set()
     if probe_url is not None:
         logger.info("probes on %s (GET /, /health, /healthz, /livez, /readyz)", probe_url)
