@@ -30,6 +30,12 @@ block map onto ours; there, as in NeMo Gym, ``null`` means "not set" (the defaul
 ``genrm_responses_create_params.input`` is dropped wherever it comes from: the judge input is
 built per comparison (NeMo Gym replaces it too), so the template's ``input: []`` means nothing.
 
+Machine-dependent defaults stay symbolic here: ``memory_limit_bytes: auto`` (the memory this
+process may use: its cgroup's limit, else physical memory) and ``max_active_bytes: auto`` (a
+quarter of it). The server resolves both once, at start (``genrm_trio.server.memory`` reads the
+machine; :func:`resolve_memory` does the arithmetic), into a :class:`ResolvedConfig` that also
+says where each number came from, which ``GET /status`` shows.
+
 Every problem raises :class:`~genrm_trio.errors.ConfigError` whose ``str()`` is one line naming
 the dotted key (``judge.base_urls[1]``) and the problem.
 """
@@ -84,6 +90,11 @@ MAX_COMPARE_RESPONSES = 4096
 _NEMO_MARKER_KEYS = frozenset({"genrm_model_server", "genrm_responses_create_params"})
 _NEMO_NULLABLE_KEYS = frozenset({"host", "port"})
 _MAX_CONNECTIONS_PER_CLIENT = 16
+#: How an ``auto``-able key's values are named in its errors.
+_AUTO_EXPECTED = MappingProxyType({
+    "max_active_bytes": "an integer, 'auto' or null",
+    "memory_limit_bytes": "an integer or 'auto'",
+})
 _SEARCH_DEPTH = 8
 _VALUE_REPR_CHARS = 60
 # Whole words of a key (split on "_" and "-"): "api_key" and "auth-token" are secret,
@@ -166,6 +177,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # Ours [ext].
     host: str = "127.0.0.1"
     port: int = 8000
+    probe_port: int | None = None
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     judge_max_concurrency: int = 1024
     judge_retry_backoff_max_s: float = 10.0
@@ -177,7 +189,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     shutdown_grace_s: float = 5.0
     state_dir: str | None = None
     max_active_cohorts: int | None = None
-    max_active_bytes: int | None = None
+    max_active_bytes: int | Literal["auto"] | None = "auto"
+    memory_limit_bytes: int | Literal["auto"] = "auto"
     state_sync: Literal["normal", "full"] = "normal"
     request_read_timeout_s: float = 60.0
     max_compare_responses: int = 128
@@ -187,6 +200,70 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
     def __post_init__(self) -> None:
         _validate_config(self)
+
+
+#: ``max_active_bytes: auto`` is this fraction of ``memory_limit_bytes`` (a quarter): room for
+#: what admission does not count (bodies being read and decoded, the interpreter, the
+#: allocator's free lists) and for members of cohorts already open, which are always admitted.
+AUTO_ACTIVE_BYTES_DIVISOR = 4
+
+
+class MemoryLimit(msgspec.Struct, frozen=True):
+    """The memory this process may use, as found on the machine, and where it was found
+    (``cgroup v2 memory.max of /sys/fs/cgroup/...``, ``physical memory``)."""
+
+    limit_bytes: int
+    source: str
+
+
+class ResolvedConfig(Config, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A :class:`Config` whose machine-dependent defaults were resolved once, at server start
+    (:func:`resolve_memory`): ``memory_limit_bytes`` is a number, ``max_active_bytes`` a number
+    or null, and the two ``*_source`` fields say where each came from (``GET /status`` shows
+    them in its config summary). Never loaded from a file: these two fields are not keys."""
+
+    memory_limit_bytes: int
+    max_active_bytes: int | None
+    memory_limit_source: str
+    max_active_bytes_source: str
+
+
+def resolve_memory(cfg: Config, found: MemoryLimit | None) -> ResolvedConfig:
+    """Resolve ``memory_limit_bytes: auto`` to ``found`` and ``max_active_bytes: auto`` to
+    :data:`AUTO_ACTIVE_BYTES_DIVISOR`-th of the limit. Pure: the caller reads the machine
+    (``genrm_trio.server.memory``). ``found`` may be None when ``memory_limit_bytes`` is a
+    number. Raises :class:`ConfigError` (key ``memory_limit_bytes``) when it is ``auto`` and
+    nothing was found. A :class:`ResolvedConfig` is returned unchanged."""
+    if isinstance(cfg, ResolvedConfig):
+        return cfg
+    if isinstance(cfg.memory_limit_bytes, int):
+        limit, limit_source = cfg.memory_limit_bytes, "configured"
+    elif found is None:
+        raise ConfigError("memory_limit_bytes",
+                          "auto: this machine's memory could not be read; set a number")
+    else:
+        limit, limit_source = found.limit_bytes, found.source
+    budget: int | None
+    if isinstance(cfg.max_active_bytes, int):
+        budget, budget_source = cfg.max_active_bytes, "configured"
+    elif cfg.max_active_bytes is None:
+        budget, budget_source = None, "null: unlimited"
+    else:
+        budget = max(1, limit // AUTO_ACTIVE_BYTES_DIVISOR)
+        budget_source = (f"auto: a quarter of memory_limit_bytes ({format_bytes(limit)}, "
+                         f"{limit_source})")
+    fields = msgspec.structs.asdict(cfg)
+    fields.update(memory_limit_bytes=limit, max_active_bytes=budget)
+    return ResolvedConfig(**fields, memory_limit_source=limit_source,
+                          max_active_bytes_source=budget_source)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: ``1.5 GiB``, ``512.0 MiB``, ``900 B``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 _CONFIG_KEYS: frozenset[str] = frozenset(Config.__struct_fields__)
@@ -207,8 +284,10 @@ def _number(
     le: float | None = None,
     nullable: bool = False,
     integer: bool = False,
+    expected: str | None = None,
 ) -> None:
-    """Check one numeric value: finite, within bounds; ``None`` only when ``nullable``."""
+    """Check one numeric value: finite, within bounds; ``None`` only when ``nullable``.
+    ``expected`` replaces the wording of a wrong type (``an integer, 'auto' or null``)."""
     if value is None and nullable:
         return
     if (
@@ -217,9 +296,8 @@ def _number(
         or (integer and not isinstance(value, int))
     ):
         want = "an integer" if integer else "a number"
-        raise ConfigError(
-            key, f"expected {want}{' or null' if nullable else ''}, got {_show(value)}"
-        )
+        want = expected or f"{want}{' or null' if nullable else ''}"
+        raise ConfigError(key, f"expected {want}, got {_show(value)}")
     if not math.isfinite(value):
         raise ConfigError(key, f"must be finite, got {_show(value)}")
     if gt is not None and not value > gt:
@@ -376,6 +454,9 @@ def _validate_config(cfg: Config) -> None:
         )
     _non_empty("host", cfg.host, nullable=False)
     _number("port", cfg.port, ge=0, le=65535, integer=True)
+    _number("probe_port", cfg.probe_port, ge=0, le=65535, nullable=True, integer=True)
+    if cfg.probe_port is not None and cfg.probe_port == cfg.port != 0:
+        raise ConfigError("probe_port", f"must differ from port ({cfg.port})")
     if not isinstance(cfg.judge, JudgeConfig):
         raise ConfigError("judge", f"expected a JudgeConfig, got {_show(cfg.judge)}")
     _number("judge_max_concurrency", cfg.judge_max_concurrency, ge=1, integer=True)
@@ -394,7 +475,12 @@ def _validate_config(cfg: Config) -> None:
     _number("shutdown_grace_s", cfg.shutdown_grace_s, gt=0)
     _non_empty("state_dir", cfg.state_dir, nullable=True)
     _number("max_active_cohorts", cfg.max_active_cohorts, ge=1, nullable=True, integer=True)
-    _number("max_active_bytes", cfg.max_active_bytes, ge=1, nullable=True, integer=True)
+    if cfg.max_active_bytes != "auto":
+        _number("max_active_bytes", cfg.max_active_bytes, ge=1, nullable=True, integer=True,
+                expected=_AUTO_EXPECTED["max_active_bytes"])
+    if cfg.memory_limit_bytes != "auto":
+        _number("memory_limit_bytes", cfg.memory_limit_bytes, ge=1, integer=True,
+                expected=_AUTO_EXPECTED["memory_limit_bytes"])
     if cfg.state_sync not in ("normal", "full"):
         raise ConfigError(
             "state_sync", f"must be 'normal' or 'full', got {_show(cfg.state_sync)}"
@@ -681,6 +767,12 @@ def _translate(
     if unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
         problem = "unknown key"
+    elif key in _AUTO_EXPECTED:
+        # msgspec names the union's types (int | str | null) or calls a wrong string an enum
+        # value; neither says that the one string allowed is 'auto'.
+        value = _lookup(tree, key)[1]
+        got = "null" if value is None else f"{_json_type(value)} {_show(value)}"
+        problem = f"expected {_AUTO_EXPECTED[key]}, got {got}"
     elif message.startswith("Invalid enum value"):
         problem = "invalid value" + message.removeprefix("Invalid enum value")
         choices = _literal_choices(key)
@@ -700,6 +792,17 @@ def _translate(
     if source:
         problem = f"{problem} ({source})"
     return ConfigError(key or "<config>", _one_line(problem))
+
+
+def _json_type(value: object) -> str:
+    """The YAML/JSON name of ``value``'s type, as msgspec's messages name them."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, dict):
+        return "mapping"
+    if isinstance(value, list | tuple):
+        return "list"
+    return {int: "int", float: "float", str: "str"}.get(type(value), type(value).__name__)
 
 
 def _source_for(key: str, sources: dict[str, str]) -> str:

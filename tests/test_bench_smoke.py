@@ -1,4 +1,5 @@
-"""Smoke run of the benchmark harness: the tiny ``smoke`` preset against our server only.
+"""Smoke run of the benchmark harness: the tiny ``smoke`` preset against our server only, and
+a two-second ``flood``.
 
 Real processes (mock judge, ``genrm-trio serve``) on loopback port 0, a few seconds. It checks
 the harness, not the server's speed: every member is rewarded, the numbers are sane, and the
@@ -14,6 +15,7 @@ import msgspec
 import pytest
 
 from genrm_trio.tools import bench
+from genrm_trio.tools.flood import flood_body, flood_case
 from genrm_trio.tools.loadgen import BodyFactory, percentile
 from genrm_trio.tools.soak import SoakSample, hostile_requests, soak_case, soak_checks
 
@@ -179,3 +181,35 @@ def test_soak_preset_gates_and_takes_a_duration() -> None:
                                            "soak/a ours: RuntimeError: boom"]
     assert bench.gate_failures(results[:1][:0]) == []
     assert len(hostile_requests(8, 128)) >= 15
+
+
+def test_flood_bodies_take_a_group_id_between_head_and_tail() -> None:
+    head, tail = flood_body(100_000, "\U0001F600")
+    decoded = msgspec.json.decode(head + b"g-1" + tail)
+    assert decoded["_ng_group_id"] == "g-1" and decoded["_ng_rollout_index"] == 0
+    text = decoded["response"]["output"][0]["content"][0]["text"]
+    assert text.endswith("\U0001F600") and 99_000 < len(head + tail) < 101_000
+    cases = {c.label: c for c in bench.PRESETS["flood"]()}
+    assert set(cases) >= {"auto-2GiB", "auto-2GiB-deep-queue", "unlimited"}
+    assert all(c.kinds == ("ours",) for c in cases.values())
+    assert "flood" not in [p for p in bench.PRESETS if p not in bench._NOT_IN_ALL]
+
+
+async def test_a_short_flood_is_refused_with_429_and_probed_on_both_ports(
+    tmp_path: Path,
+) -> None:
+    # 200 KB members against an auto budget of 2 MiB (a quarter of 8 MiB): about ten are
+    # admitted, the rest refused. Checks the harness and the outcome, not any latency.
+    case = flood_case("smoke", duration_s=2.0, uploaders=2, body_bytes=200_000,
+                      memory_limit_bytes=8 * 2**20, probe_interval_s=0.2)
+    run = await case.run(bench.BenchContext(tmp_path, None), "ours", "flood-smoke")
+    metrics = run.metrics
+    assert metrics["budget_mb"] == 2.0
+    assert metrics["refused_429"] > 0 and 5 <= metrics["admitted"] <= 15
+    assert metrics["admitted"] * 200_000 < 2 * 2**20 + 2 * 200_000
+    assert run.notes["probe_failures"] == {}, run.notes
+    for name in ("main_healthz", "main_readyz", "probe_healthz", "probe_readyz"):
+        assert metrics[f"{name}_probes"] >= 1
+    assert metrics["peak_rss_mb"] >= metrics["baseline_rss_mb"] > 0
+    assert run.notes["max_active_bytes_source"] == (
+        "auto: a quarter of memory_limit_bytes (8.0 MiB, configured)")

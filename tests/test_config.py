@@ -381,7 +381,9 @@ INVALID: list[tuple[str, Any]] = [
     *[("shutdown_grace_s", v) for v in (0, -1, ".inf", ".nan", None)],
     ("state_dir", "''"),
     *[("max_active_cohorts", v) for v in (0, -1)],
-    *[("max_active_bytes", v) for v in (0, -1)],
+    *[("max_active_bytes", v) for v in (0, -1, "lots", "AUTO", 1.5, "[1]")],
+    *[("memory_limit_bytes", v) for v in (0, -1, None, "lots", 2.5)],
+    *[("probe_port", v) for v in (-1, 65536, "http", 8000)],  # 8000: the default port
     *[("log_level", v) for v in ("TRACE", "CRITICAL", 10)],
     *[("judge.max_connections_per_client", v) for v in (0, 17, -1)],
     ("judge.endpoint_failure_threshold", 0),
@@ -463,6 +465,13 @@ def test_base_urls_are_normalised(url: str, normalised: str) -> None:
         ("port", 65535),
         ("max_active_cohorts", 1),
         ("max_active_bytes", None),
+        ("max_active_bytes", "auto"),
+        ("max_active_bytes", 1),
+        ("memory_limit_bytes", "auto"),
+        ("memory_limit_bytes", 1),
+        ("probe_port", 0),
+        ("probe_port", 9000),
+        ("probe_port", None),
         ("num_rollouts_per_prompt", 1),
         ("judge.max_connections_per_client", 1),
         ("judge.max_connections_per_client", 16),
@@ -502,8 +511,44 @@ def test_unknown_nested_key_in_file(tmp_path: Path) -> None:
 
 
 def test_wrong_type_message_shows_the_value(tmp_path: Path) -> None:
-    err = error_for(text="max_active_bytes: lots\n", tmp_path=tmp_path)
-    assert str(err) == "config key 'max_active_bytes': expected int | null, got str 'lots'"
+    err = error_for(text="max_active_cohorts: lots\n", tmp_path=tmp_path)
+    assert str(err) == "config key 'max_active_cohorts': expected int | null, got str 'lots'"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_active_bytes: lots", "expected an integer, 'auto' or null, got str 'lots'"),
+    ("max_active_bytes: 1.5", "expected an integer, 'auto' or null, got float 1.5"),
+    ("max_active_bytes: [1]", "expected an integer, 'auto' or null, got list [1]"),
+    ("memory_limit_bytes: null", "expected an integer or 'auto', got null"),
+    ("memory_limit_bytes: true", "expected an integer or 'auto', got bool True"),
+])
+def test_auto_keys_say_what_they_take(tmp_path: Path, text: str, message: str) -> None:
+    key = text.split(":")[0]
+    assert str(error_for(text=text + "\n", tmp_path=tmp_path)) == (
+        f"config key {key!r}: {message}")
+
+
+def test_auto_keys_are_checked_on_direct_construction_too() -> None:
+    with pytest.raises(ConfigError) as info:
+        Config(max_active_bytes="lots")  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "config key 'max_active_bytes': expected an integer, 'auto' or null, got 'lots'")
+    with pytest.raises(ConfigError) as info:
+        Config(memory_limit_bytes=0)
+    assert info.value.key == "memory_limit_bytes"
+
+
+def test_probe_port_may_not_be_the_main_port_but_both_may_be_zero() -> None:
+    err = error_for(overrides=["port=9100", "probe_port=9100"])
+    assert str(err) == ("config key 'probe_port': must differ from port (9100) "
+                        "(from --set 'probe_port=9100')")
+    assert load_config(overrides=["port=0", "probe_port=0"], env={}).probe_port == 0
+
+
+def test_defaults_of_the_safe_by_default_keys() -> None:
+    cfg = Config()
+    assert (cfg.max_active_bytes, cfg.memory_limit_bytes, cfg.probe_port) == (
+        "auto", "auto", None)
 
 
 # --------------------------------------------------------------------------- summary

@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from genrm_trio import scoring
+from genrm_trio import scoring, wire
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.server.app import VerifyEndpoint
 from genrm_trio.server.cohort import CohortRegistry, Failure, Rewarded
@@ -176,6 +176,65 @@ async def test_duplicate_waiters_count_towards_max_active_bytes(
         out.send("b0", member(cfg, 0, group="b"))  # room again: admitted
         await trio.testing.wait_all_tasks_blocked()
         assert registry.snapshot()["active_cohorts"] == 2
+        registry.begin_shutdown()
+
+
+def test_a_member_weighs_what_its_decoded_body_holds() -> None:
+    # One character outside Latin-1 makes every character of a Python string 2 bytes, one
+    # outside the BMP 4 (measured: RSS per 1 MB body 1.06x, 2.03x, 4.02x; bench/README.md).
+    cfg = cfg_for()
+    text = "a" * 100_000
+    wire_sizes = []
+    held = []
+    for last in ("a", "\u2014", "\U0001F600"):
+        raw = msgspec.json.encode(body(0, text=text[:-1] + last))
+        wire_sizes.append(len(raw))
+        held.append(member(cfg, 0, text=text[:-1] + last).size_bytes)
+    assert max(wire_sizes) - min(wire_sizes) <= 12  # the same size on the wire
+    assert 1.0 <= held[0] / wire_sizes[0] < 1.1
+    assert 1.9 < held[1] / held[0] < 2.1
+    assert 3.8 < held[2] / held[0] < 4.1
+    small_objects = b'{"responses_create_params": {"input": "x"}, "response": {"output": [' + (
+        b",".join([b"{}"] * 10_000)) + b']}, "_ng_rollout_index": 0}'
+    assert wire.decode_verify(small_objects, N).size_bytes > 20 * len(small_objects)
+
+
+async def test_the_byte_budget_counts_decoded_bytes_and_refuses_new_cohorts_only(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    text = "a" * 100_000
+    ascii_size = member(cfg_for(), 0, group="x", text=text).size_bytes
+    cfg = cfg_for(max_active_bytes=3 * ascii_size)
+    emoji = text[:-1] + "\U0001F600"  # same wire size, four times the memory
+    async with open_registry(cfg, ScriptedJudge()) as registry, trio.open_nursery() as nursery:
+        out = Outcomes(registry, nursery)
+        out.send("e0", member(cfg, 0, group="e", text=emoji))
+        await trio.testing.wait_all_tasks_blocked()
+        assert registry.snapshot()["active_bytes"] > 3 * ascii_size
+        refused = await registry.verify(member(cfg, 0, group="b", text=text))
+        assert isinstance(refused, Failure)
+        assert (refused.status, refused.kind, refused.retry_after_s) == (429, "overloaded", 1.0)
+        assert f"max_active_bytes ({3 * ascii_size}) reached" in refused.detail
+        for slot in range(1, N):  # the open cohort's members are admitted past the budget
+            out.send(f"e{slot}", member(cfg, slot, group="e", text=emoji))
+    assert all(isinstance(out.results[f"e{s}"][1], Rewarded) for s in range(N))
+
+
+async def test_the_default_budget_is_resolved_by_the_registry(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    cfg = cfg_for(memory_limit_bytes=8 * 2**20)  # auto: a quarter, 2 MiB
+    one = member(cfg, 0, group="a", text="a" * 1_500_000).size_bytes
+    async with open_registry(cfg, ScriptedJudge()) as registry, trio.open_nursery() as nursery:
+        out = Outcomes(registry, nursery)
+        out.send("a0", member(cfg, 0, group="a", text="a" * 1_500_000))
+        await trio.testing.wait_all_tasks_blocked()
+        assert registry.snapshot()["active_bytes"] == one < 2 * 2**20
+        out.send("b0", member(cfg, 0, group="b", text="a" * 1_500_000))  # still under: admitted
+        await trio.testing.wait_all_tasks_blocked()
+        refused = await registry.verify(member(cfg, 0, group="c"))
+        assert isinstance(refused, Failure) and refused.kind == "overloaded"
+        assert f"max_active_bytes ({2 * 2**20}) reached" in refused.detail
         registry.begin_shutdown()
 
 

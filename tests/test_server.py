@@ -13,7 +13,7 @@ import httpx2
 import pytest
 import trio
 
-from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.config import Config, JudgeConfig, format_bytes
 from tests.lifecycle_helpers import body
 from tests.server_helpers import raw_http, running_server
 
@@ -210,6 +210,40 @@ async def test_compare_health_readiness_and_no_secret_leaks(
             "max_output_tokens"] == 16384
         assert "genrm_cohorts_opened_total" in metrics.text
         assert (await client.get("/readyz")).json() == {"status": "ready"}
+
+
+async def test_default_byte_budget_is_shown_in_status_and_answers_429_past_it() -> None:
+    cfg = Config(num_rollouts_per_prompt=2, port=0)  # max_active_bytes: auto
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        config = (await client.get("/status")).json()["config"]
+    assert isinstance(config["memory_limit_bytes"], int) and config["memory_limit_source"]
+    assert config["max_active_bytes"] == config["memory_limit_bytes"] // 4
+    assert config["max_active_bytes_source"] == (
+        "auto: a quarter of memory_limit_bytes "
+        f"({format_bytes(config['memory_limit_bytes'])}, {config['memory_limit_source']})")
+
+    # A budget of 2 MiB (auto, from memory_limit_bytes) and members of 1.5 MB each.
+    cfg = Config(num_rollouts_per_prompt=2, port=0, memory_limit_bytes=8 * 2**20)
+    big = "a" * 1_500_000
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        async with trio.open_nursery() as nursery:
+            answers: dict[str, httpx2.Response] = {}
+
+            async def send(name: str, sent: dict[str, Any]) -> None:
+                answers[name] = await client.post("/verify", json=sent)
+
+            for opened, name in enumerate(("a", "b"), 1):  # 1.5 MB, then 3 MB held
+                nursery.start_soon(send, f"{name}0", body(0, group=name, text=big))
+                await wait_for_cohorts(client, "active_cohorts", lambda n: n == opened)  # noqa: B023
+            refused = await client.post("/verify", json=body(0, group="c", text=big))
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["failure_kind"] == "overloaded"
+            assert "max_active_bytes (2097152) reached" in refused.json()["detail"]
+            for name in ("a", "b"):  # members of open cohorts are admitted past the budget
+                nursery.start_soon(send, f"{name}1", body(1, group=name, text=big))
+        assert {k: r.status_code for k, r in answers.items()} == {
+            "a0": 200, "a1": 200, "b0": 200, "b1": 200}
+        assert (await client.get("/status")).json()["cohorts"]["active_bytes"] == 0
 
 
 async def test_client_disconnect_releases_only_its_waiter() -> None:

@@ -46,6 +46,7 @@ import trio
 from genrm_trio import identity, scoring
 from genrm_trio.config import Config
 from genrm_trio.errors import GenRMError, JudgeFailed
+from genrm_trio.server import memory
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import GroupProgress, JudgeRequest
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
@@ -277,7 +278,10 @@ class CohortRegistry:
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
                  journal: Journal | None = None, observer: CohortObserver | None = None,
                  *, service: trio.Nursery | None = None) -> None:
-        self._cfg = cfg
+        # `serve` hands over a config resolved at start; a registry built from a plain one
+        # (tests, tools) resolves max_active_bytes: auto here, once.
+        self._cfg = cfg = memory.resolved(cfg)
+        self._max_active_bytes = cfg.max_active_bytes
         # Where the watch timer runs (apart from the cohort tasks); without one, waiters watch
         # their connections from the start.
         self._service = service
@@ -525,8 +529,8 @@ class CohortRegistry:
         if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
             return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
         held = self._active_bytes + self._duplicate_bytes
-        if cfg.max_active_bytes is not None and held >= cfg.max_active_bytes:
-            return _overloaded(f"max_active_bytes ({cfg.max_active_bytes}) reached")
+        if self._max_active_bytes is not None and held >= self._max_active_bytes:
+            return _overloaded(f"max_active_bytes ({self._max_active_bytes}) reached")
         if group_id is not None:
             self._advance_watermark(group_id, attempt, prompt_digest, now, watermark)
         cohort = self._open(key, prompt_input, fields.principle, prompt_digest, now)

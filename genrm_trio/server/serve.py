@@ -1,13 +1,16 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
-Ownership: :func:`run_server` opens the judge (its HTTP clients), then the registry (which owns its
-own nursery, where every cohort task lives), then the root nursery that runs Hypercorn. A cohort's
+Ownership: :func:`run_server` resolves the machine-dependent config defaults (``max_active_bytes:
+auto``, server/memory.py), opens the judge (its HTTP clients), then the registry (which owns its
+own nursery, where every cohort task lives), then the root nursery that runs Hypercorn and, with
+``probe_port`` set, the probe listener beside it (server/probes.py). A cohort's
 failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is
 one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
 waiter answers its 503), Hypercorn stops accepting and gives open connections ``shutdown_grace_s``
 to finish, then the root nursery is cancelled. One deadline (:class:`ShutdownDeadline`, fixed when
 shutdown begins) bounds every send and cleanup; connections still open at it are aborted at the
-socket level (server/shutdown.py says why), so the process ends on time whatever clients do.
+socket level (server/shutdown.py says why), so the process ends on time whatever clients do. The
+probe listener answers until the root nursery is cancelled: readiness 503 through the grace.
 :func:`serve_main` owns SIGINT/SIGTERM (Hypercorn's programmatic ``serve`` installs no signal
 handlers): both shut down gracefully; it returns which one arrived, so the CLI can exit 0 on
 SIGTERM (the orchestrator's normal stop) and 130 on SIGINT (Ctrl-C, the shell's convention)."""
@@ -22,16 +25,20 @@ import signal
 import sys
 from functools import partial
 
+import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from genrm_trio.config import Config
+from genrm_trio.config import Config, ResolvedConfig, format_bytes
+from genrm_trio.errors import ConfigError
+from genrm_trio.server import memory
 from genrm_trio.server.app import create_app, with_verify_fast_path
 from genrm_trio.server.auth import OPEN_PATHS, BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
+from genrm_trio.server.probes import bound_url, open_probe_socket, serve_probes
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.shutdown import (
     CLEANUP_S,
@@ -81,6 +88,7 @@ async def run_server(
     """
     stop = shutdown if shutdown is not None else trio.Event()
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
+    cfg = memory.resolved(cfg)
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
@@ -101,11 +109,30 @@ async def run_server(
 
 
 async def _serve_in(
-    cfg: Config, judge: Judge, registry: CohortRegistry, root: trio.Nursery, stop: trio.Event,
-    drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
+    cfg: ResolvedConfig, judge: Judge, registry: CohortRegistry, root: trio.Nursery,
+    stop: trio.Event, drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
     task_status: trio.TaskStatus[str],
 ) -> None:
-    """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``."""
+    """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``, and
+    the probe listener beside it when ``probe_port`` is set. The probe port is bound first,
+    so a port in use stops the start before anything serves; its bound port replaces
+    ``probe_port`` in the config ``/status`` shows (port 0 works)."""
+    main_serving = trio.Event()
+    probe_url = None
+    if cfg.probe_port is not None:
+        try:
+            probe_socket = await open_probe_socket(cfg.host, cfg.probe_port)
+        except OSError as exc:
+            raise ConfigError("probe_port", f"cannot listen on {cfg.host}:{cfg.probe_port}: "
+                              f"{exc.strerror or exc}") from exc
+        probe_url = bound_url(probe_socket)
+        cfg = msgspec.structs.replace(cfg, probe_port=int(probe_url.rsplit(":", 1)[1]))
+        # The socket is the probe task's from here on; it accepts once the main port serves
+        # (probes meanwhile wait in its backlog). Liveness and readiness go on answering
+        # through the shutdown grace (readiness 503), until Hypercorn is done and `root` is
+        # cancelled.
+        await root.start(partial(serve_probes, probe_socket, lambda: not registry.shutting_down,
+                                 after=main_serving))
     app = create_app(cfg, registry, judge, metrics)
 
     def begin_shutdown() -> None:
@@ -137,6 +164,12 @@ async def _serve_in(
     root.start_soon(_abort_connections_at_deadline, drain, int(url.rsplit(":", 1)[1]))
     logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
                 cfg.num_rollouts_per_prompt)
+    logger.info("max_active_bytes: %s (%s)",
+                "unlimited" if cfg.max_active_bytes is None
+                else format_bytes(cfg.max_active_bytes), cfg.max_active_bytes_source)
+    main_serving.set()
+    if probe_url is not None:
+        logger.info("probes on %s (GET /, /health, /healthz, /livez, /readyz)", probe_url)
     if auth is not None:  # the variable's name only, never its value
         logger.info("inbound auth: a bearer token from $%s is required on every endpoint but "
                     "the probes (%s)", cfg.auth_token_env, ", ".join(sorted(OPEN_PATHS)))

@@ -1338,6 +1338,17 @@ def _soak_case() -> Case:
     return soak_case()
 
 
+def _flood_cases() -> list[Case]:
+    from genrm_trio.tools.flood import flood_case  # flood builds on this module
+
+    return [
+        flood_case("auto-2GiB"),
+        flood_case("auto-2GiB-deep-queue", sends_in_flight=128),  # about 1,100 queued
+        flood_case("auto-2GiB-emoji", extra_char="\U0001F600"),
+        flood_case("unlimited", max_active_bytes="null", rss_stop_bytes=3 * 2**30),
+    ]
+
+
 def _throughput_cases() -> list[Case]:
     return [
         load_case(
@@ -1387,9 +1398,11 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
         ),
     ],
     "soak": lambda: [_soak_case()],
+    "flood": _flood_cases,
 })
-"""Preset name -> its cases. ``all`` runs every preset but ``smoke`` and ``soak``, in order."""
-_NOT_IN_ALL = frozenset({"smoke", "soak"})
+"""Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak`` and ``flood``
+(which fills the server's memory budget on purpose), in order."""
+_NOT_IN_ALL = frozenset({"smoke", "soak", "flood"})
 
 
 # -- running and reporting ---------------------------------------------------------------------
@@ -1599,6 +1612,23 @@ _SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "two_failed_members",
     ),
     "staggered": ("makespan_s", "latency_p50_ms", "latency_p99_ms", "cpu_ms_per_cohort"),
+    "flood": (
+        "verifies_per_s",
+        "refused_429",
+        "budget_mb",
+        "peak_rss_mb",
+        "accept_queue_max",
+        "main_healthz_p50_ms",
+        "main_healthz_p99_ms",
+        "main_readyz_p99_ms",
+        "probe_healthz_p50_ms",
+        "probe_healthz_p99_ms",
+        "probe_healthz_max_ms",
+        "probe_readyz_p99_ms",
+        "probe_readyz_max_ms",
+        "server_cpu_pct",
+        "loadgen_cpu_pct",
+    ),
     "steady_state": (
         "fresh_verifies_per_s",
         "steady_verifies_per_s",
