@@ -30,9 +30,9 @@ import httpx2
 import msgspec
 import trio
 
-from genrm_trio.tools.bench import launch_process
-from genrm_trio.tools.haproxy import REPLICA_HEADER, open_haproxy, shipped_config
-from genrm_trio.tools.loadgen import read_proc_stats
+from genrm_trio.bench.haproxy import REPLICA_HEADER, open_haproxy, shipped_config
+from genrm_trio.bench.loadgen import read_proc_stats
+from genrm_trio.bench.processes import launch_process
 
 N = 8
 READY = "genrm-trio serve listening on "

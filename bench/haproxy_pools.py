@@ -23,11 +23,13 @@ from statistics import median
 
 import trio
 
-from genrm_trio.tools.bare import CANNED_JUDGE
-from genrm_trio.tools.bench import ServerSettings, launch_process, ours_command
-from genrm_trio.tools.haproxy import GLOBAL_POOL_ARGS, open_haproxy
-from genrm_trio.tools.loadgen import BodyFactory
-from genrm_trio.tools.wrk import run_wrk
+from genrm_trio.bench.bare import CANNED_JUDGE
+from genrm_trio.bench.haproxy import GLOBAL_POOL_ARGS, open_haproxy
+from genrm_trio.bench.loadgen import BodyFactory
+from genrm_trio.bench.processes import launch_process
+from genrm_trio.bench.records import ServerSettings
+from genrm_trio.bench.rig import ours_command
+from genrm_trio.bench.wrk import run_wrk
 
 N = 8
 K_PER_REPLICA = 32

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import trio
 
-from genrm_trio.tools import bench, loadgen
+from genrm_trio.bench import loadgen
+from genrm_trio.bench.cases.measure import warm_up_run
+from genrm_trio.bench.records import BenchContext, JudgeSettings, ServerSettings
+from genrm_trio.bench.rig import _rig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,13 +55,13 @@ async def main(args: argparse.Namespace) -> None:
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         sys.exit("py-spy not found: pip install py-spy")
-    ctx = bench.BenchContext(RESULTS, None)
-    judge = bench.JudgeSettings(latency_ms=args.judge_ms)
+    ctx = BenchContext(RESULTS, None)
+    judge = JudgeSettings(latency_ms=args.judge_ms)
     label = f"profile-n{args.n}-k{args.k}-judge{int(args.judge_ms)}ms"
     out = RESULTS / f"{label}.txt"
-    async with bench._rig(ctx, "ours", judge, bench.ServerSettings(n=args.n), label) as rig:
+    async with _rig(ctx, "ours", judge, ServerSettings(n=args.n), label) as rig:
         bodies = loadgen.BodyFactory(seed=7, run_tag=rig.run_tag)
-        await bench._warm_up(rig, bodies, args.n)
+        await warm_up_run(rig, bodies, args.n)
         cmd = [
             pyspy,
             "record",

@@ -31,13 +31,13 @@ if TYPE_CHECKING:
 DEFAULT_CONFIG = os.path.join("configs", "default.yaml")
 
 _LAZY_COMMANDS = MappingProxyType({
-    "mock-judge": ("genrm_trio.tools.mock", "mock_judge_cli"),
-    "mock-policy": ("genrm_trio.tools.mock_policy", "mock_policy_cli"),
+    "mock-judge": ("genrm_trio.mock.cli", "mock_judge_cli"),
+    "mock-policy": ("genrm_trio.mock.policy", "mock_policy_cli"),
     "collect": ("genrm_trio.caller.collect", "collect_cli"),
     "aggregate": ("genrm_trio.caller.aggregate", "aggregate_cli"),
-    "bench": ("genrm_trio.tools.bench", "bench_cli"),
-    "torture": ("genrm_trio.tools.torture", "torture_cli"),
-    "demo": ("genrm_trio.tools.demo", "demo_cli"),
+    "bench": ("genrm_trio.bench.cli", "bench_cli"),
+    "torture": ("genrm_trio.torture.cli", "torture_cli"),
+    "demo": ("genrm_trio.demo", "demo_cli"),
 })
 
 

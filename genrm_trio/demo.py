@@ -25,8 +25,10 @@ import trio
 
 from genrm_trio.caller.collect import CollectOptions, collect_main
 from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
 
 N = 4
 PROMPT = "In two sentences, why does ice float on water?"

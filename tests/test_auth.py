@@ -140,7 +140,7 @@ def test_serve_exits_2_naming_the_key_when_the_variable_is_missing() -> None:
 
 
 async def test_the_torture_fuzzer_sends_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    from genrm_trio.tools.torture import run_http_fuzz
+    from genrm_trio.torture.fuzz import run_http_fuzz
 
     monkeypatch.setenv(ENV, TOKEN)
     async with running_server(auth_cfg()) as url:

@@ -14,14 +14,17 @@ from typing import Any
 import msgspec
 import pytest
 
-from genrm_trio.tools import bench
-from genrm_trio.tools.flood import flood_body, flood_case
-from genrm_trio.tools.loadgen import BodyFactory, percentile
-from genrm_trio.tools.soak import SoakSample, hostile_requests, soak_case, soak_checks
+from genrm_trio.bench.cases.flood import flood_body, flood_case
+from genrm_trio.bench.cases.soak import SoakSample, hostile_requests, soak_case, soak_checks
+from genrm_trio.bench.loadgen import BodyFactory, percentile
+from genrm_trio.bench.presets import NOT_IN_ALL, PRESETS
+from genrm_trio.bench.records import BenchContext, CaseResult, RunRecord
+from genrm_trio.bench.report import _goal_rows, summarize
+from genrm_trio.bench.run import gate_failures, run_bench
 
 
 async def test_smoke_preset_runs_against_our_server(tmp_path: Path) -> None:
-    results = await bench.run_bench(
+    results = await run_bench(
         ["smoke"], out_dir=tmp_path, kinds=("ours",), repeats=1, echo=lambda _: None
     )
 
@@ -61,13 +64,13 @@ def test_bodies_are_realistic_and_keyed_by_mode() -> None:
 
 
 def test_summary_ratios_are_per_pair_medians() -> None:
-    def rec(v: float) -> bench.RunRecord:
-        return bench.RunRecord({"verifies_per_s": v})
+    def rec(v: float) -> RunRecord:
+        return RunRecord({"verifies_per_s": v})
 
-    result = bench.CaseResult(
+    result = CaseResult(
         "throughput", "x", {}, {"ours": [rec(10), rec(30)], "nemo": [rec(5), rec(10)]}
     )
-    bench.summarize(result)
+    summarize(result)
     assert result.median["ours"]["verifies_per_s"] == 20
     assert result.pair_ratios["verifies_per_s"] == [2.0, 3.0]
     assert result.median_ratio["verifies_per_s"] == 2.5
@@ -77,14 +80,14 @@ def test_summary_ratios_are_per_pair_medians() -> None:
 def test_scaleout_goal_rows_never_round_a_miss_up_and_name_the_machine_limit() -> None:
     """A two / one of 1.597 reads 1.597 and MISSED (not a "1.6" that was missed), and the
     summary says whether the machine itself, with no HAProxy, could show 1.6x."""
-    def case(label: str, two_over_one: float, pair_over_one: float) -> bench.CaseResult:
-        record = bench.RunRecord({"two_over_one": two_over_one, "pair_over_one": pair_over_one,
+    def case(label: str, two_over_one: float, pair_over_one: float) -> CaseResult:
+        record = RunRecord({"two_over_one": two_over_one, "pair_over_one": pair_over_one,
                                   "one_over_bare": 0.9})
-        result = bench.CaseResult("scaleout", label, {}, {"ours": [record]})
-        bench.summarize(result)
+        result = CaseResult("scaleout", label, {}, {"ours": [record]})
+        summarize(result)
         return result
 
-    rows = {goal: (value, verdict) for goal, value, verdict in bench._goal_rows([
+    rows = {goal: (value, verdict) for goal, value, verdict in _goal_rows([
         case("n8-k32-2replicas-canned", 1.62, 1.45),
         case("n8-k32-2replicas-builtin", 1.5974, 1.70)])}
     assert rows["2 replicas behind HAProxy >= 1.6x one replica's verifies/s"] == ("1.620x", "met")
@@ -105,7 +108,7 @@ async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> N
     case = soak_case(duration_s=3.0, capacity_s=1.0, capacity_k=16, sample_s=0.2,
                      collection_timeout_s=2.0, hostile_fraction=0.5, gate_growth=False)
     assert case.resize is not None and case.resize(4.0).params["gate_growth"] is False
-    record = await case.run(bench.BenchContext(tmp_path, None), "ours", "soak-smoke")
+    record = await case.run(BenchContext(tmp_path, None), "ours", "soak-smoke")
     notes = record.notes
     assert notes["failed_checks"] == [], notes
     assert record.metrics["unexpected"] == 0 and notes["unexpected_examples"] == []
@@ -166,20 +169,20 @@ def test_soak_checks_fail_on_growth_unexpected_answers_and_leftovers() -> None:
 
 
 def test_soak_preset_gates_and_takes_a_duration() -> None:
-    (case,) = bench.PRESETS["soak"]()
+    (case,) = PRESETS["soak"]()
     assert case.params["duration_s"] == 600.0 and case.kinds == ("ours",)
     assert case.params["gate_growth"] is True
     assert case.resize is not None and case.resize(42.0).params["duration_s"] == 42.0
-    ok = bench.RunRecord({}, notes={"failed_checks": []})
-    bad = bench.RunRecord({}, notes={"failed_checks": ["RSS grew 40.0 MB"]})
-    broken = bench.RunRecord({}, notes={"error": "RuntimeError: boom"})
+    ok = RunRecord({}, notes={"failed_checks": []})
+    bad = RunRecord({}, notes={"failed_checks": ["RSS grew 40.0 MB"]})
+    broken = RunRecord({}, notes={"error": "RuntimeError: boom"})
     results = [
-        bench.CaseResult("soak", "a", {"gate": True}, {"ours": [ok, bad, broken]}),
-        bench.CaseResult("throughput", "b", {}, {"ours": [bad]}),  # not gating
+        CaseResult("soak", "a", {"gate": True}, {"ours": [ok, bad, broken]}),
+        CaseResult("throughput", "b", {}, {"ours": [bad]}),  # not gating
     ]
-    assert bench.gate_failures(results) == ["soak/a ours: RSS grew 40.0 MB",
+    assert gate_failures(results) == ["soak/a ours: RSS grew 40.0 MB",
                                            "soak/a ours: RuntimeError: boom"]
-    assert bench.gate_failures(results[:1][:0]) == []
+    assert gate_failures(results[:1][:0]) == []
     assert len(hostile_requests(8, 128)) >= 15
 
 
@@ -189,10 +192,10 @@ def test_flood_bodies_take_a_group_id_between_head_and_tail() -> None:
     assert decoded["_ng_group_id"] == "g-1" and decoded["_ng_rollout_index"] == 0
     text = decoded["response"]["output"][0]["content"][0]["text"]
     assert text.endswith("\U0001F600") and 99_000 < len(head + tail) < 101_000
-    cases = {c.label: c for c in bench.PRESETS["flood"]()}
+    cases = {c.label: c for c in PRESETS["flood"]()}
     assert set(cases) >= {"auto-2GiB", "auto-2GiB-deep-queue", "unlimited"}
     assert all(c.kinds == ("ours",) for c in cases.values())
-    assert "flood" not in [p for p in bench.PRESETS if p not in bench._NOT_IN_ALL]
+    assert "flood" not in [p for p in PRESETS if p not in NOT_IN_ALL]
 
 
 async def test_a_short_flood_is_refused_with_429_and_probed_on_both_ports(
@@ -202,7 +205,7 @@ async def test_a_short_flood_is_refused_with_429_and_probed_on_both_ports(
     # admitted, the rest refused. Checks the harness and the outcome, not any latency.
     case = flood_case("smoke", duration_s=2.0, uploaders=2, body_bytes=200_000,
                       memory_limit_bytes=8 * 2**20, probe_interval_s=0.2)
-    run = await case.run(bench.BenchContext(tmp_path, None), "ours", "flood-smoke")
+    run = await case.run(BenchContext(tmp_path, None), "ours", "flood-smoke")
     metrics = run.metrics
     assert metrics["budget_mb"] == 2.0
     assert metrics["refused_429"] > 0 and 5 <= metrics["admitted"] <= 15

@@ -30,14 +30,14 @@ from genrm_trio.caller.collect import (
     collect_cli,
     plan_groups,
 )
-from genrm_trio.caller.progress import show_progress
-from genrm_trio.metrics import aggregate_metrics, encode_metrics
-from genrm_trio.tools.mock_policy import (
+from genrm_trio.caller.mock_policy import (
     MockPolicyApp,
     MockPolicySettings,
     MockPolicyState,
     run_mock_policy,
 )
+from genrm_trio.caller.progress import show_progress
+from genrm_trio.metrics import aggregate_metrics, encode_metrics
 
 
 def success(task: int, rollout: int, reward: float, **extra: Any) -> dict[str, Any]:
@@ -288,7 +288,7 @@ async def test_run_mock_policy_on_a_real_socket(nursery: trio.Nursery) -> None:
 
 def test_mock_policy_cli_prints_one_line_and_exits_on_sigterm() -> None:
     with subprocess.Popen(
-        [sys.executable, "-c", "from genrm_trio.tools.mock_policy import mock_policy_cli; "
+        [sys.executable, "-c", "from genrm_trio.mock.policy import mock_policy_cli; "
          "mock_policy_cli()", "--port", "0", "--set", "seed=5"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},

@@ -28,9 +28,9 @@ from genrm_trio.caller.collect import (
     parse_retry_after,
     run_collection,
 )
+from genrm_trio.caller.mock_policy import MockPolicySettings, run_mock_policy
 from genrm_trio.config import load_config
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.mock_policy import MockPolicySettings, run_mock_policy
 from tests.lifecycle_helpers import body
 
 TOKEN = "collector-token-abc"

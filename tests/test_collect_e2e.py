@@ -28,10 +28,12 @@ from genrm_trio.caller.aggregate import (
     read_jsonl,
 )
 from genrm_trio.caller.collect import CollectionResult, CollectOptions, run_collection
+from genrm_trio.caller.mock_policy import MockPolicySettings, MockPolicyState, run_mock_policy
 from genrm_trio.config import load_config
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
-from genrm_trio.tools.mock_policy import MockPolicySettings, MockPolicyState, run_mock_policy
 
 
 @dataclass

@@ -17,11 +17,13 @@ import trio.testing
 
 from genrm_trio import scoring, wire
 from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.app import VerifyEndpoint
 from genrm_trio.server.cohort import CohortRegistry, Failure, Rewarded
 from genrm_trio.server.journal import FILE_NAME, Journal
 from genrm_trio.server.judge import JudgeRequest
-from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
 from tests.lifecycle_helpers import Outcomes, ScriptedJudge, body, member, open_registry
 from tests.server_helpers import running_server
 

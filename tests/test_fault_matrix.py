@@ -14,9 +14,11 @@ import pytest
 import trio
 
 from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
-from genrm_trio.tools.torture import PROMPTS, answer_text, reference_rewards, verify_body
+from genrm_trio.torture.contract import PROMPTS, answer_text, reference_rewards, verify_body
 
 N = 2  # circular: comparisons (0, 1) and (1, 0)
 COMPARISONS = 2

@@ -30,7 +30,8 @@ from genrm_trio.config import Config
 from genrm_trio.errors import WireError
 from genrm_trio.server.openapi import build_openapi
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.torture import response_object, run_http_fuzz
+from genrm_trio.torture.contract import response_object
+from genrm_trio.torture.fuzz import run_http_fuzz
 from genrm_trio.wire import decode_verify
 
 # On a failure hypothesis writes a patch with libcst, whose import warns (DeprecationWarning);

@@ -26,14 +26,14 @@ import msgspec
 import pytest
 import trio
 
-from genrm_trio.tools import loadgen
-from genrm_trio.tools.bench import launch_process
-from genrm_trio.tools.haproxy import (
+from genrm_trio.bench import loadgen
+from genrm_trio.bench.haproxy import (
     REPLICA_HEADER,
     HaproxyError,
     ensure_haproxy,
     open_haproxy,
 )
+from genrm_trio.bench.processes import launch_process
 from tests.process_helpers import require_program
 
 REPO = Path(__file__).resolve().parent.parent

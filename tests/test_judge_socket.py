@@ -16,9 +16,11 @@ import pytest
 import trio
 
 from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
-from genrm_trio.tools.torture import verify_body
+from genrm_trio.torture.contract import verify_body
 
 N = 2
 EVALUATION_TIMEOUT_S = 5.0

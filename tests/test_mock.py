@@ -21,15 +21,10 @@ import trio
 
 from genrm_trio import scoring
 from genrm_trio.errors import ConfigError, JudgeParseError
-from genrm_trio.tools.mock import (
-    CHAT_PATH,
-    RESPONSES_PATH,
-    Fault,
-    MockJudgeSettings,
-    MockJudgeState,
-    run_mock_judge,
-    settings_from_mapping,
-)
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.http import CHAT_PATH, RESPONSES_PATH
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState, settings_from_mapping
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -519,7 +514,7 @@ def test_settings_accept_yaml_shapes() -> None:
 
 
 def mock_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "genrm_trio.tools.mock", *args]
+    return [sys.executable, "-m", "genrm_trio.mock.cli", *args]
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])

@@ -15,7 +15,7 @@ rewards of NeMo Gym's rows, slot by slot), with `observability_enabled` off and 
   second `openai_model` server in front of our mock judge.
 
 Not part of the default run (``addopts`` deselects the ``nemo_gym`` marker) nor of CI. Needs
-nemo-gym 0.7.0 and uv in the venv `genrm_trio.tools.bench.default_nemo_venv()` names (the one the
+nemo-gym 0.7.0 and uv in the venv `genrm_trio.bench.nemo_gym.default_nemo_venv()` names (the one the
 benchmark uses; README, "Use it from NeMo Gym"); skipped, saying so, without it. Run::
 
     python3 -m pytest -m nemo_gym tests/test_nemo_gym.py
@@ -49,7 +49,7 @@ from typing import Any
 import pytest
 import yaml
 
-from genrm_trio.tools.bench import default_nemo_venv, ensure_nemo_venv
+from genrm_trio.bench.nemo_gym import default_nemo_venv, ensure_nemo_venv
 
 pytestmark = pytest.mark.nemo_gym
 

@@ -14,10 +14,11 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from genrm_trio.config import load_config
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.judge import JudgeStats
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools.mock import MockJudgeSettings, MockJudgeState, run_mock_judge
 from tests.lifecycle_helpers import body
 
 Families = dict[str, Any]

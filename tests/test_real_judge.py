@@ -35,7 +35,7 @@ import httpx2
 import pytest
 import trio
 
-from genrm_trio.tools.torture import verify_body
+from genrm_trio.torture.contract import verify_body
 
 pytestmark = pytest.mark.real_judge
 

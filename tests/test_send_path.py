@@ -7,7 +7,7 @@ from pathlib import Path
 
 import trio
 
-from genrm_trio.tools.soak import _raw_exchange, hostile_requests
+from genrm_trio.bench.cases.soak import _raw_exchange, hostile_requests
 from tests.process_helpers import serve_process
 
 REQUESTS = 300

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from genrm_trio.tools.mock import Fault, MockJudgeSettings, MockJudgeState, run_mock_judge
+from genrm_trio.mock.faults import Fault
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from tests.process_helpers import (
     ServeProcess,
     get_json,

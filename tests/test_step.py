@@ -1,4 +1,5 @@
-"""The RL-step model of the ``step`` bench preset (tools/step.py): the pure part by hand-worked
+"""The RL-step model of the ``step`` bench preset (genrm_trio/bench/cases/step.py): the pure part
+by hand-worked
 examples, and a tiny real run of the preset (both schedules, real processes on loopback)."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from genrm_trio.tools import bench, step
-from genrm_trio.tools.step import StepParams
+from genrm_trio.bench.cases import step
+from genrm_trio.bench.cases.step import StepParams, step_cases
+from genrm_trio.bench.run import run_bench
 
 
 def test_the_trace_is_seeded_lognormal_and_shaped_by_the_parameters() -> None:
@@ -84,8 +86,8 @@ def test_overrides_are_parsed_and_bad_ones_name_the_key() -> None:
 async def test_the_step_preset_runs_both_schedules_side_by_side(tmp_path: Path) -> None:
     params = StepParams(n=3, k=3, median_gen_s=0.05, sigma=0.5, judge_ms=20.0,
                         capacities=(1, 6), seed=2)
-    assert {c.kinds for c in bench.step_cases(params)} == {("ours",)}  # NeMo has no eager
-    results = await bench.run_bench(["step"], out_dir=tmp_path, kinds=("ours",),
+    assert {c.kinds for c in step_cases(params)} == {("ours",)}  # NeMo has no eager
+    results = await run_bench(["step"], out_dir=tmp_path, kinds=("ours",),
                                     repeats=1, echo=lambda _: None, step_params=params)
     assert [r.params["capacity"] for r in results] == [1, 6]
     for r in results:

@@ -17,11 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
 from genrm_trio.server.cohort import Cohort, CohortRegistry
 from genrm_trio.server.serve import run_server
-from genrm_trio.tools import torture
-from genrm_trio.tools.mock import MockJudgeSettings, MockJudgeState, run_mock_judge
-from genrm_trio.tools.torture import (
+from genrm_trio.torture.cli import print_local_summary, torture_cli
+from genrm_trio.torture.http import run_http_torture
+from genrm_trio.torture.local import run_local, run_schedule_sync
+from genrm_trio.torture.schedules import (
     ADVANCES_S,
     JUDGE_DELAYS_S,
     JUDGE_MODES,
@@ -34,9 +37,8 @@ from genrm_trio.tools.torture import (
     Schedule,
     Shutdown,
     generate_schedule,
-    run_schedule_sync,
-    shrink_schedule,
 )
+from genrm_trio.torture.shrink import shrink_schedule
 
 # On a failure hypothesis writes a patch with libcst, whose import warns (DeprecationWarning from
 # mypy_extensions); with filterwarnings=error that would hide the falsifying example. Import it
@@ -104,7 +106,7 @@ def test_random_schedules_keep_every_invariant(schedule: Schedule) -> None:
 
 @pytest.mark.parametrize("eager", [False, True], ids=["wait_for_all", "eager"])
 def test_seeded_schedules_keep_every_invariant_and_reach_every_outcome(eager: bool) -> None:
-    summary = torture.run_local(400, seed=7, eager=eager)
+    summary = run_local(400, seed=7, eager=eager)
     assert summary.shrunk is None, _fail_text(summary.shrunk, summary.violations)
     assert summary.schedules == 400
     # The generator really exercises the lifecycle: every outcome kind shows up.
@@ -237,20 +239,20 @@ def test_random_search_finds_a_bug_and_shrinks_it() -> None:
 
 def test_a_failing_run_prints_the_shrunk_schedule_and_its_seed(
         capsys: pytest.CaptureFixture[str]) -> None:
-    summary = torture.run_local(300, seed=0, registry_factory=_ShutdownBug)
+    summary = run_local(300, seed=0, registry_factory=_ShutdownBug)
     assert summary.failing_seed is not None and summary.shrunk is not None
-    torture.print_local_summary(summary, 0)
+    print_local_summary(summary, 0)
     out = capsys.readouterr().out
     assert f"VIOLATION in schedule seed {summary.failing_seed}" in out
     assert "Shutdown()" in out and "still waiting after shutdown" in out
     assert f"--seed {summary.failing_seed} --schedules 1" in out
     # The printed seed reproduces the failure.
-    again = torture.run_local(1, seed=summary.failing_seed, registry_factory=_ShutdownBug)
+    again = run_local(1, seed=summary.failing_seed, registry_factory=_ShutdownBug)
     assert again.failing_seed == summary.failing_seed
 
 
 def test_cli_local_prints_a_summary_and_exits_zero() -> None:
-    result = CliRunner().invoke(torture.torture_cli, ["--local", "--schedules", "60",
+    result = CliRunner().invoke(torture_cli, ["--local", "--schedules", "60",
                                                       "--seed", "5"])
     assert result.exit_code == 0, result.output
     assert "torture --local: 60 schedules" in result.output
@@ -258,7 +260,7 @@ def test_cli_local_prints_a_summary_and_exits_zero() -> None:
 
 
 def test_cli_needs_exactly_one_target() -> None:
-    result = CliRunner().invoke(torture.torture_cli, [])
+    result = CliRunner().invoke(torture_cli, [])
     assert result.exit_code == 2
     assert "exactly one of --local and --url" in result.output
 
@@ -282,7 +284,7 @@ async def test_http_torture_against_our_server_on_loopback() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as server:
                 url = await server.start(functools.partial(run_server, cfg, shutdown=stop))
-                summary = await torture.run_http_torture(
+                summary = await run_http_torture(
                     url, judge_url=judge_url, max_requests=60, time_limit_s=20,
                     hang_after_s=5, seed=3, settle_s=2.5)
                 stop.set()

@@ -1,4 +1,4 @@
-"""The scale-out bench's load generator: wrk with the Lua script of genrm_trio.tools.wrk. The
+"""The scale-out bench's load generator: wrk with the Lua script of genrm_trio.bench.wrk. The
 script must make whole, correctly keyed cohorts, or every number the bench reports is wrong."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from genrm_trio.tools.loadgen import BodyFactory, LoadgenError
-from genrm_trio.tools.wrk import cohort_script, ensure_wrk, member_templates, run_wrk
+from genrm_trio.bench.loadgen import BodyFactory, LoadgenError
+from genrm_trio.bench.wrk import cohort_script, ensure_wrk, member_templates, run_wrk
 from tests.process_helpers import get_json, http_call, require_program, serve_process
 
 N = 4

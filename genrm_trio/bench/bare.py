@@ -8,7 +8,7 @@ share of the stack's limit that the server reaches.
 
 ::
 
-    python -m genrm_trio.tools.bare --port 0     prints "genrm-trio bare listening on URL";
+    python -m genrm_trio.bench.bare --port 0     prints "genrm-trio bare listening on URL";
                                                  SIGTERM or SIGINT stops it
 """
 
@@ -26,7 +26,7 @@ from genrm_trio.server.serve import _hypercorn_config
 
 __all__ = ["CANNED_JUDGE", "BareApp", "bare_cli", "canned_judge"]
 
-CANNED_JUDGE = "genrm_trio.tools.bare:canned_judge"
+CANNED_JUDGE = "genrm_trio.bench.bare:canned_judge"
 """The ``judge.plugin`` spec of :func:`canned_judge`."""
 
 _CANNED_VERDICT = '{"score_1": 4, "score_2": 3, "ranking": 3}'
@@ -38,7 +38,7 @@ _MAX_CANNED = 4096
 
 
 async def canned_judge(request: dict[str, Any]) -> str:
-    """A judge plugin (``judge.plugin: genrm_trio.tools.bare:canned_judge``) that answers one
+    """A judge plugin (``judge.plugin: genrm_trio.bench.bare:canned_judge``) that answers one
     fixed verdict at once: a judge that costs the server nothing but parsing its answer, so a
     replica's throughput is the server's own. Never blocks beyond one checkpoint."""
     await trio.lowlevel.checkpoint()

@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import trio
 
-from genrm_trio.tools.processes import MissingProgram, ensure_program, stop_process
+from genrm_trio.bench.processes import MissingProgram, ensure_program, stop_process
 
 __all__ = [
     "REPLICA_HEADER",

@@ -765,8 +765,8 @@ async def collect_main(
     """
     if options.policy_url is not None:
         return await run_collection(options, progress_stream=progress_stream)
-    # The embedded policy is a tool; only this entry point reaches for it.
-    from genrm_trio.tools.mock_policy import load_mock_policy_settings, run_mock_policy
+    # Imported here: only this entry point needs the embedded policy (and Hypercorn).
+    from genrm_trio.caller.mock_policy import load_mock_policy_settings, run_mock_policy
 
     settings = load_mock_policy_settings(None, mock_policy_overrides, host="127.0.0.1", port=0)
     outcome: CollectionResult | CollectError

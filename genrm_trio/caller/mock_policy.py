@@ -8,6 +8,8 @@ latency for a given ``MockPolicySettings.seed``. Latency follows ``latency_distr
 the first ``fail_first_n`` generation requests are answered with ``fail_status``.
 
 The server is Hypercorn on Trio with a plain ASGI callable; :func:`run_mock_policy` owns it.
+It lives on the caller side because ``genrm-trio collect`` embeds it when no policy URL is
+given; its command line, ``genrm-trio mock-policy``, is :mod:`genrm_trio.mock.policy`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import signal
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
@@ -28,7 +29,7 @@ import msgspec
 import trio
 import yaml
 
-from genrm_trio.tools.openai_shapes import chat_completion, output_message, responses_object
+from genrm_trio.openai_shapes import chat_completion, output_message, responses_object
 
 log = logging.getLogger(__name__)
 
@@ -276,38 +277,3 @@ def load_mock_policy_settings(
         return msgspec.convert(data, MockPolicySettings)
     except msgspec.ValidationError as exc:
         raise click.BadParameter(f"mock-policy settings: {exc}") from exc
-
-
-async def _serve_until_signal(settings: MockPolicySettings) -> int:
-    """Serve until SIGINT or SIGTERM; returns which one arrived."""
-    received: int = signal.SIGTERM
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(partial(run_mock_policy, settings))
-            click.echo(f"genrm-trio mock-policy listening on {url}")
-            async for signum in signals:
-                received = signum
-                break
-            nursery.cancel_scope.cancel()
-    return received
-
-
-@click.command("mock-policy")
-@click.option("--host", default=None, help="Address to bind (default 127.0.0.1).")
-@click.option("--port", type=int, default=None, help="Port to bind; 0 picks a free port.")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a setting.")
-def mock_policy_cli(
-    host: str | None, port: int | None, config_path: str | None, overrides: tuple[str, ...]
-) -> None:
-    """Run the deterministic OpenAI-compatible mock policy until SIGTERM (exit 0) or Ctrl-C
-    (exit 130)."""
-    try:
-        settings = load_mock_policy_settings(config_path, overrides, host=host, port=port)
-    except click.BadParameter as exc:
-        click.echo(f"genrm-trio mock-policy: {exc.message}", err=True)
-        raise SystemExit(2) from exc
-    if trio.run(_serve_until_signal, settings) == signal.SIGINT:
-        from genrm_trio.cli import exit_interrupted
-
-        exit_interrupted()

@@ -52,18 +52,11 @@ import h11
 import msgspec
 import trio
 
-from genrm_trio.tools import loadgen
-from genrm_trio.tools.bench import (
-    BenchContext,
-    Case,
-    JudgeSettings,
-    Rig,
-    RunRecord,
-    ServerSettings,
-    _rig,
-)
-from genrm_trio.tools.loadgen import percentile
-from genrm_trio.tools.processes import stop_process
+from genrm_trio.bench import loadgen
+from genrm_trio.bench.loadgen import percentile
+from genrm_trio.bench.processes import stop_process
+from genrm_trio.bench.records import BenchContext, Case, JudgeSettings, RunRecord, ServerSettings
+from genrm_trio.bench.rig import Rig, _rig
 
 __all__ = ["flood_body", "flood_case", "prober_main"]
 
@@ -140,7 +133,7 @@ async def _probe(host: str, port: int, path: str, limit_s: float) -> tuple[float
 
 
 async def prober_main(spec: dict[str, Any]) -> None:
-    """``python -m genrm_trio.tools.flood SPEC``: every ``interval_s``, one probe of each
+    """``python -m genrm_trio.bench.cases.flood SPEC``: every ``interval_s``, one probe of each
     target (``[name, host, port, path]``), each bounded by ``timeout_s``, until stdin closes;
     then the probes in flight finish. One JSON line per probe on stdout: ``[name, at_s,
     took_s, status]``, ``at_s`` from the start."""
@@ -178,7 +171,7 @@ async def _run_prober(spec: dict[str, Any], results: list[tuple[str, float, floa
     """Run :func:`prober_main` as a child process, appending its lines to ``results``; reports
     the function that stops it (closes its stdin), and returns once it has exited. The
     process is stopped by its pid (SIGTERM, then SIGKILL) if this task is cancelled."""
-    cmd = [sys.executable, "-m", "genrm_trio.tools.flood", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "genrm_trio.bench.cases.flood", json.dumps(spec)]
     proc = await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:

@@ -47,17 +47,10 @@ import h11
 import msgspec
 import trio
 
-from genrm_trio.tools import loadgen
-from genrm_trio.tools.bench import (
-    BenchContext,
-    Case,
-    JudgeSettings,
-    Rig,
-    RunRecord,
-    ServerSettings,
-    _rig,
-)
-from genrm_trio.tools.loadgen import BodyFactory, LoadPlan, percentile
+from genrm_trio.bench import loadgen
+from genrm_trio.bench.loadgen import BodyFactory, LoadPlan, percentile
+from genrm_trio.bench.records import BenchContext, Case, JudgeSettings, RunRecord, ServerSettings
+from genrm_trio.bench.rig import Rig, _rig
 
 __all__ = ["SoakSample", "hostile_requests", "soak_case", "soak_checks"]
 

@@ -23,7 +23,7 @@ side on the same trace, each in fresh processes, and the run reports:
 
     step_cases(params)                     one bench Case per capacity
       +-- case.run(ctx, "ours", tag)       for each schedule (and judge order):
-            +-- bench._rig(...)            mock judge + server processes, ended after the run
+            +-- rig._rig(...)              mock judge + server processes, ended after the run
             +-- _run_step(rig, ...)        K cohort tasks (loadgen.run_cohort with the trace's
                                            delays) and a sampler task, in one nursery
 
@@ -44,8 +44,10 @@ import msgspec
 import trio
 
 from genrm_trio import scoring
-from genrm_trio.tools import loadgen
-from genrm_trio.tools.loadgen import BodyFactory, CohortResult, CohortSpec, percentile
+from genrm_trio.bench import loadgen
+from genrm_trio.bench.loadgen import BodyFactory, CohortResult, CohortSpec, percentile
+from genrm_trio.bench.records import BenchContext, Case, JudgeSettings, RunRecord, ServerSettings
+from genrm_trio.bench.rig import _rig
 
 SCHEDULES = ("wait_for_all", "eager")
 SAMPLE_INTERVAL_S = 0.01
@@ -414,3 +416,51 @@ def render_sweep(results: Sequence[Any]) -> str:
                      f"{model if model is not None else 'none'} for a perfect judge on this "
                      "trace")
     return "\n".join(lines) + "\n"
+
+
+def step_cases(params: StepParams) -> list[Case]:
+    """The ``step`` preset: one case per judge capacity of the sweep. Each run measures every
+    schedule (and judge order) on the same arrival trace, one after the other, each in fresh
+    processes, and compares their rewards member by member (see :mod:`genrm_trio.bench.cases.step`).
+    Our server only: NeMo Gym has no eager schedule."""
+    arrivals = arrival_trace(params)
+    pairs = pairs_of(params)
+    eager_peak = peak_demand(ready_times(arrivals, pairs, "eager"), params.judge_s)
+    wait_peak = peak_demand(ready_times(arrivals, pairs, "wait_for_all"),
+                                 params.judge_s)
+    capacities = params.capacities or default_capacities(params)
+    orders: tuple[str | None, ...] = params.orders or (None,)
+    runs = [(schedule, order) for schedule in SCHEDULES for order in orders]
+    keys = [run_key(schedule, order) for schedule, order in runs]
+
+    def make(capacity: int) -> Case:
+        async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
+            metrics: dict[str, float] = {}
+            samples: dict[str, list[float]] = {}
+            rewards: dict[str, dict[tuple[int, int], float | None]] = {}
+            for (schedule, order), key in zip(runs, keys, strict=True):
+                judge = JudgeSettings(latency_ms=params.judge_ms, capacity=capacity)
+                server = ServerSettings(
+                    n=params.n, collection_timeout_s=params.collection_timeout_s,
+                    ours_extra=judge_sets(params, schedule, capacity, order))
+                label = f"{tag}-{key.replace('/', '-')}"
+                async with _rig(ctx, kind, judge, server, label) as rig:
+                    done = await run_step(rig.client, rig.judge_client, params, arrivals,
+                                               schedule)
+                for name, value in step_metrics(done, params, capacity).items():
+                    metrics[f"{key}:{name}"] = value
+                rewards[key] = rewards_of(done)
+                first = min(m.sent_at for c in done.cohorts for m in c.members) - done.t0
+                samples[f"{key}:t"] = [t - first for t in done.samples_t]
+                samples[f"{key}:in_flight"] = done.samples_in_flight
+            for key in keys:
+                metrics[f"{key}:rewards_equal"] = float(rewards[key] == rewards[keys[0]])
+            return RunRecord(metrics, samples)
+
+        case_params = {"label": params.label(), "capacity": capacity, "runs": keys,
+                       "eager_peak": eager_peak, "wait_peak": wait_peak,
+                       **{k: v for k, v in vars(params).items() if k != "capacities"}}
+        return Case("step", f"{params.label()}-cap{capacity}", run, case_params,
+                    kinds=("ours",))
+
+    return [make(c) for c in capacities]

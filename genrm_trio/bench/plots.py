@@ -1,0 +1,140 @@
+"""The PNG plots of a bench run (matplotlib, the ``bench`` extra)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from genrm_trio.bench.records import CaseResult
+from genrm_trio.bench.report import finite
+
+
+def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
+    """PNG plots: latency CDFs, throughput vs K, release-time CDFs. Raises ``ImportError``
+    without matplotlib (the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    colors = {"ours": "tab:blue", "nemo": "tab:orange"}
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    def cdf_figure(cases: list[CaseResult], sample: str, title: Callable[[CaseResult], str],
+                   xlabel: str, ylabel: str, name: str) -> None:
+        """One panel per case: the CDF of ``sample`` for each server, log x axis."""
+        if not cases:
+            return
+        fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+        for ax, r in zip(axes[0], cases, strict=True):
+            for kind, runs in r.runs.items():
+                xs = sorted(max(v, 0.01) for run in runs for v in run.samples.get(sample, []))
+                if xs:
+                    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                    ax.step(xs, ys, where="post", label=kind, color=colors[kind])
+            ax.set_title(title(r), fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+        save(fig, name)
+
+    cdf_figure(
+        [
+            r
+            for r in results
+            if r.preset in ("latency", "tail", "staggered", "smoke")
+            or (r.preset == "throughput" and r.label.startswith("n16-k16"))
+        ],
+        "latency_ms", lambda r: f"{r.preset} {r.label}",
+        "last send -> last reward (ms)", "fraction of cohorts", "latency_cdf.png",
+    )
+
+    tp = [r for r in results if r.preset == "throughput"]
+    if tp:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, judge in zip(axes, ("judge0ms", "judge50ms"), strict=True):
+            for kind in ("ours", "nemo"):
+                for n, style in (("n8", "--"), ("n16", "-")):
+                    pts = sorted(
+                        (int(r.params["k"]), r.median.get(kind, {}).get("verifies_per_s", math.nan))
+                        for r in tp
+                        if r.label.startswith(n + "-") and r.label.endswith(judge)
+                    )
+                    pts = [(k, v) for k, v in pts if finite(v)]
+                    if pts:
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            style,
+                            marker="o",
+                            color=colors[kind],
+                            label=f"{kind} {n.upper()}",
+                        )
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("cohorts in flight (K)")
+            ax.set_ylabel("verifies / s (median)")
+            ax.set_title(f"throughput, {judge.replace('judge', 'judge ')}")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        save(fig, "throughput_vs_k.png")
+
+    cdf_figure(
+        [r for r in results if r.preset == "release"],
+        "release_ms", lambda r: f"release of 10,000 waiters: {r.label}",
+        "trigger -> released (ms)", "fraction of waiters", "release_cdf.png",
+    )
+
+    step_results = [r for r in results if r.preset == "step" and r.runs.get("ours")]
+    if step_results:
+        keys: list[str] = list(step_results[0].params["runs"])
+        palette = ["tab:orange", "tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        caps = [int(r.params["capacity"]) for r in step_results]
+        for key, color in zip(keys, palette, strict=False):
+            ys = [r.median.get("ours", {}).get(f"{key}:makespan_s", math.nan)
+                  for r in step_results]
+            ax.plot(caps, ys, marker="o", color=color, label=f"{key} makespan")
+        bound = [r.median.get("ours", {}).get(f"{keys[0]}:lower_bound_s", math.nan)
+                 for r in step_results]
+        last = [r.median.get("ours", {}).get(f"{keys[0]}:last_arrival_s", math.nan)
+                for r in step_results]
+        ax.plot(caps, bound, "k--", label="lower bound")
+        ax.plot(caps, [1.1 * x for x in last], "k:", label="last arrival + 10%")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("judge capacity (calls at once)")
+        ax.set_ylabel("step makespan (s)")
+        ax.set_title(f"step {step_results[0].params['label']}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, "step_makespan.png")
+
+        fig, axes = plt.subplots(len(step_results), 1, figsize=(7, 2.2 * len(step_results)),
+                                 squeeze=False)
+        for ax, r in zip(axes[:, 0], step_results, strict=True):
+            cap = int(r.params["capacity"])
+            first = r.runs["ours"][0].samples
+            for key, color in zip(keys, palette, strict=False):
+                ts = first.get(f"{key}:t", [])
+                ys = [v / cap for v in first.get(f"{key}:in_flight", [])]
+                ax.plot(ts, ys, color=color, lw=0.8, label=key)
+            ax.set_ylim(0, 1.05)
+            ax.set_ylabel(f"busy / {cap}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+        axes[-1, 0].set_xlabel("seconds since the first request")
+        fig.suptitle("judge utilisation over the step", fontsize=9)
+        save(fig, "step_utilisation.png")
+    return written
