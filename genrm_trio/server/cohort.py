@@ -444,6 +444,27 @@ class CohortRegistry:
             "active_bytes": self._active_bytes + self._duplicate_bytes,
         }
 
+    def retention(self) -> dict[str, dict[str, Any]]:
+        """For ``/status``: every structure of the registry that grows with requests, its size
+        and its bound (``cap``: a count, ``ttl_s``: an age; None where the config leaves it
+        unlimited). Synchronous, O(1)."""
+        cfg = self._cfg
+        return {
+            "records": {"count": len(self._records), "cap": cfg.max_terminal_cohorts,
+                        "ttl_s": cfg.cohort_result_ttl_s},
+            # Idle groups' watermarks are capped; active groups' ones go with their cohorts.
+            "idle_watermarks": {"count": len(self._idle_groups), "cap": self._watermark_cap,
+                                "ttl_s": self._watermark_ttl_s},
+            "active_groups": {"count": len(self._active_by_group),
+                              "cap": cfg.max_active_cohorts, "ttl_s": None},
+            "active_cohorts": {"count": len(self._active), "cap": cfg.max_active_cohorts,
+                               "ttl_s": cfg.cohort_collection_timeout_s
+                               + cfg.cohort_evaluation_timeout_s},
+            "watch_queue": {"count": len(self._watch_due), "cap": None,
+                            "ttl_s": DISCONNECT_WATCH_AFTER_S + _WATCH_SLACK_S},
+            "counters": {"count": len(self.counters), "cap": None, "ttl_s": None},
+        }
+
     # ------------------------------------------------------------------ admission
 
     def _admit(self, member: VerifyMember) -> Outcome | tuple[Cohort, bool]:
