@@ -218,6 +218,9 @@ class ServerSettings:
     max_terminal_cohorts: int = 4096
     ours_extra: tuple[tuple[str, str], ...] = ()
     """More ``--set KEY=VALUE`` items for our server only (NeMo Gym has no such keys)."""
+    ours_env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for our server's process only (the soak's diagnostics:
+    ``PYTHONTRACEMALLOC``, ``MALLOC_ARENA_MAX``)."""
 
 
 @dataclass(frozen=True)
@@ -409,7 +412,8 @@ async def _rig(
         if kind == "ours":
             cmd = ours_command(judge_proc.base_url, server)
             launch = launch_process(
-                cmd, log_path=logs / f"{label}-ours.log", ready_prefix=_READY_OURS
+                cmd, log_path=logs / f"{label}-ours.log", ready_prefix=_READY_OURS,
+                env={**os.environ, **dict(server.ours_env)} if server.ours_env else None,
             )
         else:
             if ctx.nemo_dir is None:
@@ -1329,10 +1333,10 @@ def step_cases(params: step.StepParams) -> list[Case]:
 # -- presets -----------------------------------------------------------------------------------
 
 
-def _soak_case() -> Case:
+def _soak_case(**overrides: Any) -> Case:
     from genrm_trio.tools.soak import soak_case  # soak builds on this module
 
-    return soak_case()
+    return soak_case(**overrides)
 
 
 def _throughput_cases() -> list[Case]:
@@ -1441,6 +1445,7 @@ async def run_bench(
     echo: Callable[[str], None] = print,
     duration_s: float | None = None,
     step_params: step.StepParams | None = None,
+    soak_overrides: Mapping[str, Any] | None = None,
 ) -> list[CaseResult]:
     """Run the presets' cases, alternating the servers A B A B ``repeats`` times per case, and
     write ``results.json``, ``summary.md`` and the plots into ``out_dir``.
@@ -1448,7 +1453,8 @@ async def run_bench(
     Blocks for as long as the runs take (minutes for ``all``). Every process started is ended
     before this returns, also on cancellation. A run that fails is recorded with its error and
     the bench goes on. Raises ``KeyError`` for an unknown preset name. ``step_params`` shapes
-    the ``step`` preset (default :class:`~genrm_trio.tools.step.StepParams`).
+    the ``step`` preset (default :class:`~genrm_trio.tools.step.StepParams`);
+    ``soak_overrides`` are keyword arguments of :func:`~genrm_trio.tools.soak.soak_case`.
     """
     names = ([p for p in PRESETS if p not in _NOT_IN_ALL] if list(presets) == ["all"]
              else list(presets))
@@ -1456,6 +1462,7 @@ async def run_bench(
         case
         for name in names
         for case in (step_cases(step_params) if name == "step" and step_params
+                     else [_soak_case(**soak_overrides)] if name == "soak" and soak_overrides
                      else PRESETS[name]())
     ]
     if duration_s is not None:
@@ -1911,7 +1918,56 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
         axes[-1, 0].set_xlabel("seconds since the first request")
         fig.suptitle("judge utilisation over the step", fontsize=9)
         save(fig, "step_utilisation.png")
+
+    soak_runs = [(r, run) for r in results if r.preset == "soak"
+                 for run in r.runs.get("ours", []) if run.samples.get("t_s")]
+    if soak_runs:
+        fig, axes = plt.subplots(len(soak_runs), 1, figsize=(8, 3.6 * len(soak_runs)),
+                                 squeeze=False)
+        for ax, (r, run) in zip(axes[:, 0], soak_runs, strict=True):
+            _plot_soak_rss(ax, r, run)
+        axes[-1, 0].set_xlabel("minutes since the load started")
+        save(fig, "soak_rss.png")
     return written
+
+
+def _plot_soak_rss(ax: Any, result: CaseResult, run: RunRecord) -> None:
+    """One soak run: RSS, malloc's heap and what is in use in it, pymalloc's share (RSS
+    outside malloc's heap and mapped blocks), and the least-squares line of the last half."""
+    mb = 2**20
+    minutes = [t / 60 for t in run.samples["t_s"]]
+    ax.plot(minutes, run.samples["rss_mb"], color="tab:blue", lw=1.2, label="RSS")
+    heap = run.samples.get("memory.allocator.heap_bytes")
+    used = run.samples.get("memory.allocator.in_use_bytes")
+    mapped = run.samples.get("memory.allocator.mmapped_bytes")
+    if heap and used and len(heap) == len(minutes):
+        ax.plot(minutes, [h / mb for h in heap], color="tab:orange", lw=0.8,
+                label="malloc heap")
+        ax.plot(minutes, [u / mb for u in used], color="tab:green", lw=0.8,
+                label="malloc in use")
+    if heap and mapped and len(heap) == len(minutes):
+        rest = [rss - (h + m) / mb
+                for rss, h, m in zip(run.samples["rss_mb"], heap, mapped, strict=True)]
+        ax.plot(minutes, rest, color="tab:purple", lw=0.8,
+                label="RSS outside malloc (pymalloc, code)")
+    m = run.metrics
+    slope = m.get("rss_last_half_slope_mb_per_min", math.nan)
+    start_s = m.get("rss_last_half_start_s", math.nan)
+    end_s = m.get("rss_last_half_end_s", math.nan)
+    at_start = m.get("rss_last_half_fit_start_mb", math.nan)
+    if all(_finite(x) for x in (slope, start_s, end_s, at_start)):
+        xs = [start_s / 60, end_s / 60]
+        ys = [at_start, at_start + slope * (end_s - start_s) / 60]
+        ax.plot(xs, ys, "k--", lw=1.2, label=f"last-half fit: {slope:+.3f} MB/min")
+    limit = result.params.get("rss_slope_limit_mb_per_min")
+    gate = f", gate < {limit:g} MB/min" if limit is not None else ""
+    ax.set_title(f"soak {result.label}: "
+                 f"{m.get('offered_verifies_per_s', math.nan):.0f} verifies/s offered "
+                 f"(half of {m.get('capacity_verifies_per_s', math.nan):.0f}){gate}",
+                 fontsize=9)
+    ax.set_ylabel("MB")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def _default_out_dir() -> Path:
@@ -1964,6 +2020,14 @@ def _default_out_dir() -> Path:
     "capacities (comma list), orders (comma list), seed, collection_timeout_s.",
 )
 @click.option(
+    "--soak",
+    "soak_items",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Shape the soak preset (repeatable): load_fraction, tracemalloc_frames, trace_s, "
+    "env=NAME=VALUE (for the server), sample_s, fault_rate, ... (bench/README.md).",
+)
+@click.option(
     "--nemo-venv",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -1976,6 +2040,7 @@ def bench_cli(
     out_dir: Path | None,
     duration_s: float | None,
     step_overrides: tuple[str, ...],
+    soak_items: tuple[str, ...],
     nemo_venv: Path | None,
 ) -> None:
     """Benchmark genrm-trio side by side with NeMo Gym's genrm_compare on this machine.
@@ -1991,6 +2056,12 @@ def bench_cli(
         step_params = step.parse_overrides(step_overrides) if step_overrides else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--step") from None
+    from genrm_trio.tools.soak import parse_soak_overrides
+
+    try:
+        soak_overrides = parse_soak_overrides(soak_items) if soak_items else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--soak") from None
     kinds = KINDS if servers == "both" else (servers,)
     out = out_dir or _default_out_dir()
     results = trio.run(
@@ -2004,6 +2075,7 @@ def bench_cli(
             echo=lambda s: click.echo(s, err=True),
             duration_s=duration_s,
             step_params=step_params,
+            soak_overrides=soak_overrides,
         )
     )
     click.echo(render_markdown(results))
