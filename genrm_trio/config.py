@@ -181,6 +181,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     state_sync: Literal["normal", "full"] = "normal"
     request_read_timeout_s: float = 60.0
     max_compare_responses: int = 128
+    malloc_trim_interval_s: float | None = 30.0
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = "auto"
     auth_token_env: str | None = None
@@ -402,6 +403,7 @@ def _validate_config(cfg: Config) -> None:
     _number("request_read_timeout_s", cfg.request_read_timeout_s, gt=0)
     _number("max_compare_responses", cfg.max_compare_responses, ge=2, le=MAX_COMPARE_RESPONSES,
             integer=True)
+    _number("malloc_trim_interval_s", cfg.malloc_trim_interval_s, gt=0, nullable=True)
     level = cfg.log_level.upper() if isinstance(cfg.log_level, str) else cfg.log_level
     if level not in LOG_LEVELS:
         raise ConfigError(

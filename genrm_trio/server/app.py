@@ -40,7 +40,7 @@ from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import CohortRegistry, Outcome, Rewarded
 from genrm_trio.server.judge import Judge, JudgeRequest
 from genrm_trio.server.judge.h11_pool import MAX_IDLE_PER_ORIGIN
-from genrm_trio.server.memory import Allocator, TraceGrowth, memory_status
+from genrm_trio.server.memory import ProcessMemory
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.shutdown import ShutdownDeadline
 
@@ -106,10 +106,12 @@ async def _read_body() -> bytes:
 
 
 def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
-               metrics: ServerMetrics | None = None) -> QuartTrio:
-    """Build the quart-trio app. The registry, judge and metrics are owned by ``serve``; the app
-    only borrows them, so it starts no task of its own. Without ``metrics`` (tests), a
-    :class:`ServerMetrics` reading ``registry`` and ``judge`` is made here."""
+               metrics: ServerMetrics | None = None,
+               memory: ProcessMemory | None = None) -> QuartTrio:
+    """Build the quart-trio app. The registry, judge, metrics and memory are owned by
+    ``serve``; the app only borrows them, so it starts no task of its own. Without ``metrics``
+    (tests), a :class:`ServerMetrics` reading ``registry`` and ``judge`` is made here; without
+    ``memory``, a :class:`ProcessMemory` that never trims."""
     if metrics is None:
         metrics = ServerMetrics()
         metrics.read_from(registry, judge)
@@ -120,8 +122,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     # Quart's own body deadline: a client that trickles its body gets a 408 (RequestTimeout).
     app.config["BODY_TIMEOUT"] = cfg.request_read_timeout_s
     started_wall = time.time()
-    allocator = Allocator.open()
-    trace = TraceGrowth()
+    process_memory = memory if memory is not None else ProcessMemory.open()
 
     @app.errorhandler(WireError)
     async def _wire_error(exc: WireError) -> Response:
@@ -188,7 +189,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
             "cohorts": registry.snapshot(),
             "journal": registry.journal.status() if registry.journal is not None else None,
             "judge": judge_status,
-            "memory": {**memory_status(allocator, trace), "structures": {
+            "memory": {**process_memory.status(), "structures": {
                 **registry.retention(), **_judge_structures(cfg, judge_status),
                 "metrics_series": {"count": exposition.series(), "cap": None, "ttl_s": None}}},
             "config": config_summary(cfg),
@@ -202,7 +203,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         await request.get_data()
         top = min(200, max(1, request.args.get("top", 20, type=int) or 20))
         reset = request.args.get("reset", "") in ("1", "true")
-        return json_response(await trace.report(top=top, reset=reset))
+        return json_response(await process_memory.trace.report(top=top, reset=reset))
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

@@ -15,7 +15,8 @@ Three views, from the outside in:
   allocation, so nothing on the hot path ever touches it.
 
 The only module that uses ctypes. Nothing here is module-level state: :class:`Allocator` and
-:class:`TraceGrowth` are owned by the app (``create_app``).
+:class:`TraceGrowth` belong to a :class:`ProcessMemory`, owned by ``serve`` (or by the app
+when there is no ``serve``, as in tests).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -100,20 +103,98 @@ class Allocator:
         return bool(self._malloc_trim(0))
 
 
-def memory_status(allocator: Allocator | None, trace: TraceGrowth | None) -> dict[str, Any]:
-    """The ``memory`` block of ``GET /status``: RSS, the allocator's view, pymalloc's block
-    count and, when tracing, tracemalloc's totals. Cheap (no snapshot)."""
-    out: dict[str, Any] = {
-        "rss_bytes": rss_bytes(),
-        "python_blocks": sys.getallocatedblocks(),
-        "allocator": allocator.stats() if allocator is not None else None,
-        "tracemalloc": None,
-    }
-    if trace is not None and tracemalloc.is_tracing():
-        current, peak = tracemalloc.get_traced_memory()
-        out["tracemalloc"] = {"traced_bytes": current, "peak_bytes": peak,
-                              "frames": tracemalloc.get_traceback_limit()}
-    return out
+TRIM_INTERVAL_S = 30.0
+"""How often :meth:`ProcessMemory.trim_periodically` looks at malloc's free memory."""
+TRIM_MIN_FREE_BYTES = 8 * 2**20
+"""... and gives it back to the OS (``malloc_trim``) when more than this is held free and RSS
+has grown by as much since the last trim (or its lowest since): a trim walks every free chunk
+whether or not its pages are still resident, so one that can give nothing back is skipped."""
+
+
+class ProcessMemory:
+    """The process's memory: what ``/status`` shows of it, the tracemalloc diagnostic, and the
+    periodic ``malloc_trim`` that keeps malloc's freed memory from piling up in RSS (why:
+    bench/README.md, "soak"). Owned by ``serve`` (which runs :meth:`trim_periodically` in its
+    root nursery) or, without one, by the app."""
+
+    def __init__(self, allocator: Allocator | None = None, *,
+                 interval_s: float | None = TRIM_INTERVAL_S,
+                 min_free_bytes: int = TRIM_MIN_FREE_BYTES,
+                 rss: Callable[[], int] = rss_bytes) -> None:
+        self.allocator = allocator
+        self._rss = rss
+        self.trace = TraceGrowth()
+        self._interval_s = interval_s
+        self._min_free_bytes = min_free_bytes
+        self.trims = 0
+        self.trimmed_bytes = 0  # RSS given back, as seen from outside (before - after)
+        self.trim_seconds = 0.0
+        self.trim_max_s = 0.0
+        self._rss_floor = 0  # RSS after the last trim, or lower since
+
+    @classmethod
+    def open(cls, trim_interval_s: float | None = None) -> ProcessMemory:
+        """glibc's allocator if there is one; trims every ``trim_interval_s`` (None: never,
+        as for an app without ``serve``)."""
+        return cls(Allocator.open(), interval_s=trim_interval_s)
+
+    async def trim_periodically(self) -> None:
+        """Every ``interval_s``: when malloc holds more than ``min_free_bytes`` free, give its
+        free pages back to the OS. Runs until cancelled (the root nursery at shutdown); does
+        nothing without glibc or without an interval (``malloc_trim_interval_s: null``). Each
+        trim blocks the event loop for its duration (a few ms for tens of MB free; shown in
+        ``/status`` as ``trim.max_ms``)."""
+        interval_s = self._interval_s
+        if self.allocator is None or interval_s is None:
+            await trio.sleep_forever()
+            return
+        while True:
+            await trio.sleep(interval_s)
+            self.trim_if_worth_it()
+
+    def trim_if_worth_it(self) -> bool:
+        """One look, and one ``malloc_trim`` if enough is free and RSS grew by as much since
+        the last one (:data:`TRIM_MIN_FREE_BYTES`). True if it trimmed. Synchronous."""
+        allocator = self.allocator
+        if allocator is None:
+            return False
+        before = self._rss()
+        self._rss_floor = min(self._rss_floor, before) if self.trims else 0
+        if (before - self._rss_floor < self._min_free_bytes
+                or allocator.stats()["free_bytes"] < self._min_free_bytes):
+            return False
+        started = time.perf_counter()
+        allocator.trim()
+        elapsed = time.perf_counter() - started
+        after = self._rss()
+        self._rss_floor = after
+        self.trims += 1
+        self.trimmed_bytes += max(0, before - after)
+        self.trim_seconds += elapsed
+        self.trim_max_s = max(self.trim_max_s, elapsed)
+        return True
+
+    def status(self) -> dict[str, Any]:
+        """The ``memory`` block of ``GET /status``: RSS, the allocator's view, pymalloc's block
+        count, the trims so far and, when tracing, tracemalloc's totals. Cheap (no
+        snapshot)."""
+        allocator = self.allocator
+        out: dict[str, Any] = {
+            "rss_bytes": self._rss(),
+            "python_blocks": sys.getallocatedblocks(),
+            "allocator": allocator.stats() if allocator is not None else None,
+            "trim": {"interval_s": self._interval_s, "min_free_bytes": self._min_free_bytes,
+                     "trims": self.trims, "trimmed_bytes": self.trimmed_bytes,
+                     "total_ms": round(1000 * self.trim_seconds, 3),
+                     "max_ms": round(1000 * self.trim_max_s, 3)}
+            if allocator is not None else None,
+            "tracemalloc": None,
+        }
+        if tracemalloc.is_tracing():
+            current, peak = tracemalloc.get_traced_memory()
+            out["tracemalloc"] = {"traced_bytes": current, "peak_bytes": peak,
+                                  "frames": tracemalloc.get_traceback_limit()}
+        return out
 
 
 def _growers(new: tracemalloc.Snapshot, old: tracemalloc.Snapshot,
@@ -167,4 +248,4 @@ class TraceGrowth:
             return out
 
 
-__all__ = ["Allocator", "TraceGrowth", "memory_status", "rss_bytes"]
+__all__ = ["Allocator", "ProcessMemory", "TraceGrowth", "rss_bytes"]

@@ -32,6 +32,7 @@ from genrm_trio.server.auth import OPEN_PATHS, BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
+from genrm_trio.server.memory import ProcessMemory
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.shutdown import (
     CLEANUP_S,
@@ -106,7 +107,8 @@ async def _serve_in(
     task_status: trio.TaskStatus[str],
 ) -> None:
     """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``."""
-    app = create_app(cfg, registry, judge, metrics)
+    memory = ProcessMemory.open(cfg.malloc_trim_interval_s)
+    app = create_app(cfg, registry, judge, metrics, memory)
 
     def begin_shutdown() -> None:
         drain.begin()
@@ -135,6 +137,7 @@ async def _serve_in(
     binds: list[str] = await root.start(hypercorn_task)
     url = binds[0]
     root.start_soon(_abort_connections_at_deadline, drain, int(url.rsplit(":", 1)[1]))
+    root.start_soon(memory.trim_periodically)  # malloc's freed memory back to the OS
     logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
                 cfg.num_rollouts_per_prompt)
     if auth is not None:  # the variable's name only, never its value
