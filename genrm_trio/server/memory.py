@@ -114,8 +114,8 @@ whether or not its pages are still resident, so one that can give nothing back i
 class ProcessMemory:
     """The process's memory: what ``/status`` shows of it, the tracemalloc diagnostic, and the
     periodic ``malloc_trim`` that keeps malloc's freed memory from piling up in RSS (why:
-    bench/README.md, "soak"). Owned by ``serve`` (which runs :meth:`trim_periodically` in its
-    root nursery) or, without one, by the app."""
+    bench/README.md, "Memory for hours"). Owned by ``serve`` (which runs
+    :meth:`trim_periodically` in its root nursery) or, without one, by the app."""
 
     def __init__(self, allocator: Allocator | None = None, *,
                  interval_s: float | None = TRIM_INTERVAL_S,
@@ -139,9 +139,10 @@ class ProcessMemory:
         return cls(Allocator.open(), interval_s=trim_interval_s)
 
     async def trim_periodically(self) -> None:
-        """Every ``interval_s``: when malloc holds more than ``min_free_bytes`` free, give its
-        free pages back to the OS. Runs until cancelled (the root nursery at shutdown); does
-        nothing without glibc or without an interval (``malloc_trim_interval_s: null``). Each
+        """Every ``interval_s``, :meth:`trim_if_worth_it`: malloc's free pages back to the OS
+        when there is something to give back. Runs until cancelled (the root nursery at
+        shutdown); does nothing without glibc or without an interval
+        (``malloc_trim_interval_s: null``). Each
         trim blocks the event loop for its duration (a few ms for tens of MB free; shown in
         ``/status`` as ``trim.max_ms``)."""
         interval_s = self._interval_s

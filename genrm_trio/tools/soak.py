@@ -29,11 +29,17 @@ with ``gate_growth`` (the preset): how much a run of a few seconds grows depends
 requests the machine sends in them, so a smoke run reports growth without gating on it and
 checks only what holds at any speed (no unexpected answer, nothing left over, no error
 line). The window starts after ``warm_fraction`` of the run: records and the judge connection
-pool fill up to their caps first, which is growth by design.
+pool fill up to their caps first, which is growth by design. A run of an hour or more
+(``slope_gate_min_s``) gates RSS instead on the least-squares slope over the last half of its
+load, under ``rss_slope_limit_mb_per_min`` (0.1 MB a minute): after any warm-up, it must stay
+flat. Every sample also keeps ``/status``'s memory block (malloc's view, the bounded
+structures' counts), and ``tracemalloc_frames`` records tracemalloc's top growers: the
+method of bench/README.md, "Memory for hours".
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -360,9 +366,9 @@ def soak_case(
     on the slope of its last half (under ``rss_slope_limit_mb_per_min``) instead of its growth
     over the window. See the module docstring for what passes. Ours only.
 
-    Diagnostics (bench/README.md, "soak"): ``tracemalloc_frames`` > 0 starts the server with
-    ``PYTHONTRACEMALLOC`` and records tracemalloc's top growers (``GET /debug/memory``, by
-    traceback, since the window's start) every ``trace_s``; ``server_env`` sets more
+    Diagnostics (bench/README.md, "Memory for hours"): ``tracemalloc_frames`` > 0 starts the
+    server with ``PYTHONTRACEMALLOC`` and records tracemalloc's top growers (by traceback,
+    ``GET /debug/memory``, since the window's start) every ``trace_s``; ``server_env`` sets more
     variables for the server (``MALLOC_ARENA_MAX=2`` for an A/B of the allocator),
     ``server_sets`` more of its config keys (``malloc_trim_interval_s=null``)."""
     kwargs: dict[str, Any] = {
@@ -466,7 +472,8 @@ def soak_case(
         async def tracer() -> None:
             """tracemalloc's top growers since the window's start, every ``trace_s``."""
             await trio.sleep(warm_fraction * duration_s)
-            await rig.client.get("/debug/memory?reset=1")
+            with contextlib.suppress(loadgen.LoadgenError):  # else the next one sets it
+                await rig.client.get("/debug/memory?reset=1")
             while True:
                 await trio.sleep(trace_s)
                 try:
