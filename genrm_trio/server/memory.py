@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 import time
@@ -106,9 +107,12 @@ class Allocator:
 TRIM_INTERVAL_S = 30.0
 """How often :meth:`ProcessMemory.trim_periodically` looks at malloc's free memory."""
 TRIM_MIN_FREE_BYTES = 8 * 2**20
-"""... and gives it back to the OS (``malloc_trim``) when more than this is held free and RSS
-has grown by as much since the last trim (or its lowest since): a trim walks every free chunk
-whether or not its pages are still resident, so one that can give nothing back is skipped."""
+"""... and gives it back to the OS (``malloc_trim``) when more than this is held free. (Free
+chunks stay free whether or not their pages are still resident, so this trims again every
+interval once a peak has left that much free: a few ms each time, measured cheaper than any
+guess at what is resident. Trimming only after RSS grew since the last trim was tried: a trim
+at the top of a burst set the mark so high that the memory the burst then freed was never
+given back.)"""
 
 
 class ProcessMemory:
@@ -130,7 +134,6 @@ class ProcessMemory:
         self.trimmed_bytes = 0  # RSS given back, as seen from outside (before - after)
         self.trim_seconds = 0.0
         self.trim_max_s = 0.0
-        self._rss_floor = 0  # RSS after the last trim, or lower since
 
     @classmethod
     def open(cls, trim_interval_s: float | None = None) -> ProcessMemory:
@@ -154,21 +157,16 @@ class ProcessMemory:
             self.trim_if_worth_it()
 
     def trim_if_worth_it(self) -> bool:
-        """One look, and one ``malloc_trim`` if enough is free and RSS grew by as much since
-        the last one (:data:`TRIM_MIN_FREE_BYTES`). True if it trimmed. Synchronous."""
+        """One look, and one ``malloc_trim`` if more than ``min_free_bytes`` is free
+        (:data:`TRIM_MIN_FREE_BYTES`). True if it trimmed. Synchronous."""
         allocator = self.allocator
-        if allocator is None:
+        if allocator is None or allocator.stats()["free_bytes"] < self._min_free_bytes:
             return False
         before = self._rss()
-        self._rss_floor = min(self._rss_floor, before) if self.trims else 0
-        if (before - self._rss_floor < self._min_free_bytes
-                or allocator.stats()["free_bytes"] < self._min_free_bytes):
-            return False
         started = time.perf_counter()
         allocator.trim()
         elapsed = time.perf_counter() - started
         after = self._rss()
-        self._rss_floor = after
         self.trims += 1
         self.trimmed_bytes += max(0, before - after)
         self.trim_seconds += elapsed
@@ -183,6 +181,7 @@ class ProcessMemory:
         out: dict[str, Any] = {
             "rss_bytes": self._rss(),
             "python_blocks": sys.getallocatedblocks(),
+            "gc": _gc_status(),
             "allocator": allocator.stats() if allocator is not None else None,
             "trim": {"interval_s": self._interval_s, "min_free_bytes": self._min_free_bytes,
                      "trims": self.trims, "trimmed_bytes": self.trimmed_bytes,
@@ -196,6 +195,16 @@ class ProcessMemory:
             out["tracemalloc"] = {"traced_bytes": current, "peak_bytes": peak,
                                   "frames": tracemalloc.get_traceback_limit()}
         return out
+
+
+def _gc_status() -> dict[str, Any]:
+    """The cycle collector: objects waiting in each generation, collections run, objects
+    collected, and the frozen ones (``serve`` freezes what exists at start)."""
+    stats = gc.get_stats()
+    return {"pending": list(gc.get_count()), "frozen": gc.get_freeze_count(),
+            "collections": [s["collections"] for s in stats],
+            "collected": [s["collected"] for s in stats],
+            "uncollectable": sum(s["uncollectable"] for s in stats)}
 
 
 def _growers(new: tracemalloc.Snapshot, old: tracemalloc.Snapshot,

@@ -1949,7 +1949,7 @@ def _plot_soak_rss(ax: Any, result: CaseResult, run: RunRecord) -> None:
         rest = [rss - (h + m) / mb
                 for rss, h, m in zip(run.samples["rss_mb"], heap, mapped, strict=True)]
         ax.plot(minutes, rest, color="tab:purple", lw=0.8,
-                label="RSS outside malloc (pymalloc, code)")
+                label="RSS minus malloc's heap and blocks (pymalloc, code; less once trimmed)")
     m = run.metrics
     slope = m.get("rss_last_half_slope_mb_per_min", math.nan)
     start_s = m.get("rss_last_half_start_s", math.nan)

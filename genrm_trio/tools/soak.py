@@ -648,6 +648,11 @@ def memory_figures(status: Mapping[str, Any]) -> dict[str, float]:
     for key in ("rss_bytes", "python_blocks"):
         if isinstance(memory.get(key), int | float):
             out[key] = float(memory[key])
+    gc_status = memory.get("gc") or {}
+    for index, pending in enumerate(gc_status.get("pending") or []):
+        out[f"gc.pending{index}"] = float(pending)
+    for index, runs in enumerate(gc_status.get("collections") or []):
+        out[f"gc.collections{index}"] = float(runs)
     for key, value in (memory.get("allocator") or {}).items():
         if isinstance(value, int | float):
             out[f"allocator.{key}"] = float(value)
