@@ -32,9 +32,9 @@ built per comparison (NeMo Gym replaces it too), so the template's ``input: []``
 
 Machine-dependent defaults stay symbolic here: ``memory_limit_bytes: auto`` (the memory this
 process may use: its cgroup's limit, else physical memory) and ``max_active_bytes: auto`` (a
-quarter of it). The server resolves both once, at start (``genrm_trio.server.memory`` reads the
-machine; :func:`resolve_memory` does the arithmetic), into a :class:`ResolvedConfig` that also
-says where each number came from, which ``GET /status`` shows.
+quarter of it). The server resolves both once, at start (``genrm_trio.server.memory_limit``
+reads the machine; :func:`resolve_memory` does the arithmetic), into a :class:`ResolvedConfig`
+that also says where each number came from, which ``GET /status`` shows.
 
 Every problem raises :class:`~genrm_trio.errors.ConfigError` whose ``str()`` is one line naming
 the dotted key (``judge.base_urls[1]``) and the problem.
@@ -194,6 +194,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     state_sync: Literal["normal", "full"] = "normal"
     request_read_timeout_s: float = 60.0
     max_compare_responses: int = 128
+    malloc_trim_interval_s: float | None = 30.0
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = "auto"
     auth_token_env: str | None = None
@@ -231,7 +232,7 @@ class ResolvedConfig(Config, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 def resolve_memory(cfg: Config, found: MemoryLimit | None) -> ResolvedConfig:
     """Resolve ``memory_limit_bytes: auto`` to ``found`` and ``max_active_bytes: auto`` to
     :data:`AUTO_ACTIVE_BYTES_DIVISOR`-th of the limit. Pure: the caller reads the machine
-    (``genrm_trio.server.memory``). ``found`` may be None when ``memory_limit_bytes`` is a
+    (``genrm_trio.server.memory_limit``). ``found`` may be None when ``memory_limit_bytes`` is a
     number. Raises :class:`ConfigError` (key ``memory_limit_bytes``) when it is ``auto`` and
     nothing was found. A :class:`ResolvedConfig` is returned unchanged."""
     if isinstance(cfg, ResolvedConfig):
@@ -488,6 +489,7 @@ def _validate_config(cfg: Config) -> None:
     _number("request_read_timeout_s", cfg.request_read_timeout_s, gt=0)
     _number("max_compare_responses", cfg.max_compare_responses, ge=2, le=MAX_COMPARE_RESPONSES,
             integer=True)
+    _number("malloc_trim_interval_s", cfg.malloc_trim_interval_s, gt=0, nullable=True)
     level = cfg.log_level.upper() if isinstance(cfg.log_level, str) else cfg.log_level
     if level not in LOG_LEVELS:
         raise ConfigError(

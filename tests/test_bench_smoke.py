@@ -15,7 +15,16 @@ import msgspec
 import pytest
 
 from genrm_trio.bench.cases.flood import flood_body, flood_case
-from genrm_trio.bench.cases.soak import SoakSample, hostile_requests, soak_case, soak_checks
+from genrm_trio.bench.cases.soak import (
+    SoakSample,
+    hostile_requests,
+    last_half,
+    memory_figures,
+    parse_soak_overrides,
+    rss_fit,
+    soak_case,
+    soak_checks,
+)
 from genrm_trio.bench.loadgen import BodyFactory, percentile
 from genrm_trio.bench.presets import NOT_IN_ALL, PRESETS
 from genrm_trio.bench.records import BenchContext, CaseResult, RunRecord
@@ -216,3 +225,81 @@ async def test_a_short_flood_is_refused_with_429_and_probed_on_both_ports(
     assert metrics["peak_rss_mb"] >= metrics["baseline_rss_mb"] > 0
     assert run.notes["max_active_bytes_source"] == (
         "auto: a quarter of memory_limit_bytes (8.0 MiB, configured)")
+
+
+def _minutes(rss_mb: list[float], step_s: float = 60.0) -> list[SoakSample]:
+    return [SoakSample(i * step_s, int(r * 2**20), 100) for i, r in enumerate(rss_mb)]
+
+
+def test_rss_fit_is_the_least_squares_line_of_the_last_half() -> None:
+    # 60 one-minute samples: 30 minutes of warm-up growth, then exactly 0.05 MB a minute.
+    rss = [100.0 + i for i in range(30)] + [130.0 + 0.05 * i for i in range(30)]
+    samples = _minutes(rss)
+    half = last_half(samples)
+    assert [s.t_s for s in half] == [60.0 * i for i in range(30, 60)]  # from 29.5 minutes
+    slope, start = rss_fit(half)
+    assert slope == pytest.approx(0.05, abs=1e-6)
+    assert start == pytest.approx(rss[30], abs=1e-3)
+    # The load ended at minute 50: the drain after it is left out of the fit.
+    cut = last_half(samples, until_s=50 * 60.0)
+    assert cut[0].t_s == 25 * 60.0 and cut[-1].t_s == 50 * 60.0
+    assert rss_fit(samples[:1]) == (pytest.approx(float("nan"), nan_ok=True),) * 2
+
+
+def test_long_soak_gates_on_the_last_half_slope_instead_of_the_growth() -> None:
+    kwargs: dict[str, Any] = {"unexpected": 0, "leftover": {}, "warm_fraction": 0.2,
+                              "rss_tolerance_mb": 16.0, "rss_tolerance_fraction": 0.1,
+                              "fd_tolerance": 64}
+    # 40 MB of growth over the first half (caches filling), then flat with noise: the long
+    # run's gate passes, the short run's growth gate would not.
+    plateau = _minutes([100.0 + 40.0 * min(i, 30) / 30 + (i % 2) * 0.3 for i in range(61)])
+    figures, failed = soak_checks(plateau, rss_slope_limit_mb_per_min=0.1, **kwargs)
+    assert failed == [], failed
+    assert abs(figures["rss_last_half_slope_mb_per_min"]) < 0.1
+    assert figures["rss_slope_limit_mb_per_min"] == 0.1
+    _, failed = soak_checks(plateau, **kwargs)
+    assert [f.split(" over")[0] for f in failed] == ["RSS grew 24.0 MB"], failed  # minutes 12 to 60
+    # 0.2 MB a minute to the end: fails the long run's gate, naming the slope.
+    creeping = _minutes([100.0 + 0.2 * i for i in range(61)])
+    figures, failed = soak_checks(creeping, rss_slope_limit_mb_per_min=0.1, **kwargs)
+    assert figures["rss_last_half_slope_mb_per_min"] == pytest.approx(0.2)
+    assert failed == ["RSS grew 0.200 MB a minute over the last half of the load "
+                      "(allowed under 0.1)"]
+    # A smoke run reports the slope and gates nothing.
+    _, failed = soak_checks(creeping, rss_slope_limit_mb_per_min=0.1, gate_growth=False,
+                            **kwargs)
+    assert failed == []
+
+
+def test_soak_case_turns_on_the_slope_gate_at_an_hour_and_takes_overrides() -> None:
+    (case,) = PRESETS["soak"]()
+    assert case.params["rss_slope_limit_mb_per_min"] is None  # 10 minutes: the growth gate
+    assert case.resize is not None
+    hour = case.resize(3600.0)
+    assert hour.params["rss_slope_limit_mb_per_min"] == 0.1
+    overrides = parse_soak_overrides(["tracemalloc_frames=10", "env=MALLOC_ARENA_MAX=2",
+                                      "load_fraction=0.25"])
+    assert overrides == {"tracemalloc_frames": 10, "load_fraction": 0.25,
+                         "server_env": (("MALLOC_ARENA_MAX", "2"),)}
+    traced = soak_case(**overrides)
+    assert traced.params["server_env"] == {"MALLOC_ARENA_MAX": "2", "PYTHONTRACEMALLOC": "10"}
+    assert traced.resize is not None
+    assert traced.resize(60.0).params["server_env"] == traced.params["server_env"]
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_soak_overrides(["speed=11"])
+    with pytest.raises(ValueError, match="load_fraction"):
+        parse_soak_overrides(["load_fraction=half"])
+
+
+def test_memory_figures_flatten_the_status_block() -> None:
+    status = {"memory": {
+        "rss_bytes": 100, "python_blocks": 7,
+        "allocator": {"heap_bytes": 50, "free_bytes": 5},
+        "tracemalloc": None,
+        "structures": {"records": {"count": 3, "cap": 10, "ttl_s": 60.0},
+                       "watch_queue": {"count": 1, "cap": None, "ttl_s": 0.6}},
+    }}
+    assert memory_figures(status) == {
+        "rss_bytes": 100.0, "python_blocks": 7.0, "allocator.heap_bytes": 50.0,
+        "allocator.free_bytes": 5.0, "structures.records": 3.0, "structures.watch_queue": 1.0}
+    assert memory_figures({}) == {}

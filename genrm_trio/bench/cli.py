@@ -10,6 +10,7 @@ import click
 import trio
 
 from genrm_trio.bench.cases import step
+from genrm_trio.bench.cases.soak import parse_soak_overrides
 from genrm_trio.bench.presets import PRESETS
 from genrm_trio.bench.records import KINDS
 from genrm_trio.bench.report import render_markdown
@@ -66,6 +67,14 @@ def _default_out_dir() -> Path:
     "capacities (comma list), orders (comma list), seed, collection_timeout_s.",
 )
 @click.option(
+    "--soak",
+    "soak_items",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Shape the soak preset (repeatable): load_fraction, tracemalloc_frames, trace_s, "
+    "env=NAME=VALUE (for the server), sample_s, fault_rate, ... (bench/README.md).",
+)
+@click.option(
     "--nemo-venv",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -78,6 +87,7 @@ def bench_cli(
     out_dir: Path | None,
     duration_s: float | None,
     step_overrides: tuple[str, ...],
+    soak_items: tuple[str, ...],
     nemo_venv: Path | None,
 ) -> None:
     """Benchmark genrm-trio side by side with NeMo Gym's genrm_compare on this machine.
@@ -93,6 +103,10 @@ def bench_cli(
         step_params = step.parse_overrides(step_overrides) if step_overrides else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--step") from None
+    try:
+        soak_overrides = parse_soak_overrides(soak_items) if soak_items else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--soak") from None
     kinds = KINDS if servers == "both" else (servers,)
     out = out_dir or _default_out_dir()
     results = trio.run(
@@ -106,6 +120,7 @@ def bench_cli(
             echo=lambda s: click.echo(s, err=True),
             duration_s=duration_s,
             step_params=step_params,
+            soak_overrides=soak_overrides,
         )
     )
     click.echo(render_markdown(results))

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from genrm_trio.bench.records import CaseResult
+from genrm_trio.bench.records import CaseResult, RunRecord
 from genrm_trio.bench.report import finite
 
 
@@ -137,4 +137,53 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
         axes[-1, 0].set_xlabel("seconds since the first request")
         fig.suptitle("judge utilisation over the step", fontsize=9)
         save(fig, "step_utilisation.png")
+
+    soak_runs = [(r, run) for r in results if r.preset == "soak"
+                 for run in r.runs.get("ours", []) if run.samples.get("t_s")]
+    if soak_runs:
+        fig, axes = plt.subplots(len(soak_runs), 1, figsize=(8, 3.6 * len(soak_runs)),
+                                 squeeze=False)
+        for ax, (r, run) in zip(axes[:, 0], soak_runs, strict=True):
+            _plot_soak_rss(ax, r, run)
+        axes[-1, 0].set_xlabel("minutes since the load started")
+        save(fig, "soak_rss.png")
     return written
+
+
+def _plot_soak_rss(ax: Any, result: CaseResult, run: RunRecord) -> None:
+    """One soak run: RSS, malloc's heap and what is in use in it, pymalloc's share (RSS
+    outside malloc's heap and mapped blocks), and the least-squares line of the last half."""
+    mb = 2**20
+    minutes = [t / 60 for t in run.samples["t_s"]]
+    ax.plot(minutes, run.samples["rss_mb"], color="tab:blue", lw=1.2, label="RSS")
+    heap = run.samples.get("memory.allocator.heap_bytes")
+    used = run.samples.get("memory.allocator.in_use_bytes")
+    mapped = run.samples.get("memory.allocator.mmapped_bytes")
+    if heap and used and len(heap) == len(minutes):
+        ax.plot(minutes, [h / mb for h in heap], color="tab:orange", lw=0.8,
+                label="malloc heap")
+        ax.plot(minutes, [u / mb for u in used], color="tab:green", lw=0.8,
+                label="malloc in use")
+    if heap and mapped and len(heap) == len(minutes):
+        rest = [rss - (h + m) / mb
+                for rss, h, m in zip(run.samples["rss_mb"], heap, mapped, strict=True)]
+        ax.plot(minutes, rest, color="tab:purple", lw=0.8,
+                label="RSS minus malloc's heap and blocks (pymalloc, code; less once trimmed)")
+    m = run.metrics
+    slope = m.get("rss_last_half_slope_mb_per_min", math.nan)
+    start_s = m.get("rss_last_half_start_s", math.nan)
+    end_s = m.get("rss_last_half_end_s", math.nan)
+    at_start = m.get("rss_last_half_fit_start_mb", math.nan)
+    if all(finite(x) for x in (slope, start_s, end_s, at_start)):
+        xs = [start_s / 60, end_s / 60]
+        ys = [at_start, at_start + slope * (end_s - start_s) / 60]
+        ax.plot(xs, ys, "k--", lw=1.2, label=f"last-half fit: {slope:+.3f} MB/min")
+    limit = result.params.get("rss_slope_limit_mb_per_min")
+    gate = f", gate < {limit:g} MB/min" if limit is not None else ""
+    ax.set_title(f"soak {result.label}: "
+                 f"{m.get('offered_verifies_per_s', math.nan):.0f} verifies/s offered "
+                 f"(half of {m.get('capacity_verifies_per_s', math.nan):.0f}){gate}",
+                 fontsize=9)
+    ax.set_ylabel("MB")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 from genrm_trio.bench.cases import step
 from genrm_trio.bench.cases.admission import admission_case
@@ -22,8 +23,10 @@ from genrm_trio.bench.cases.step import step_cases
 from genrm_trio.bench.records import Case
 
 
-def _soak_case() -> Case:
-    return soak_case()
+def soak_preset(**overrides: Any) -> Case:
+    """The soak preset's one case; ``overrides`` are :func:`soak_case` keyword arguments
+    (``genrm-trio bench --soak KEY=VALUE``)."""
+    return soak_case(**overrides)
 
 
 def _flood_cases() -> list[Case]:
@@ -83,7 +86,7 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
             "tail", "k1-n16-judge50ms", n=16, k=1, judge_ms=50.0, duration_s=120.0, max_cohorts=400
         ),
     ],
-    "soak": lambda: [_soak_case()],
+    "soak": lambda: [soak_preset()],
     "flood": _flood_cases,
 })
 

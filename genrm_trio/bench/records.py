@@ -30,6 +30,9 @@ class ServerSettings:
     max_terminal_cohorts: int = 4096
     ours_extra: tuple[tuple[str, str], ...] = ()
     """More ``--set KEY=VALUE`` items for our server only (NeMo Gym has no such keys)."""
+    ours_env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for our server's process only (the soak's diagnostics:
+    ``PYTHONTRACEMALLOC``, ``MALLOC_ARENA_MAX``)."""
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ async def _rig(
         if kind == "ours":
             cmd = ours_command(judge_proc.base_url, server)
             launch = launch_process(
-                cmd, log_path=logs / f"{label}-ours.log", ready_prefix=READY_OURS
+                cmd, log_path=logs / f"{label}-ours.log", ready_prefix=READY_OURS,
+                env={**os.environ, **dict(server.ours_env)} if server.ours_env else None,
             )
         else:
             if ctx.nemo_dir is None:

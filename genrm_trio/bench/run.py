@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
@@ -16,7 +17,7 @@ from genrm_trio.bench.cases import step
 from genrm_trio.bench.cases.step import step_cases
 from genrm_trio.bench.nemo_gym import default_nemo_venv, ensure_nemo_venv
 from genrm_trio.bench.plots import plot
-from genrm_trio.bench.presets import NOT_IN_ALL, PRESETS
+from genrm_trio.bench.presets import NOT_IN_ALL, PRESETS, soak_preset
 from genrm_trio.bench.records import KINDS, BenchContext, CaseResult, RunRecord
 from genrm_trio.bench.report import render_markdown, summarize
 
@@ -31,6 +32,7 @@ async def run_bench(
     echo: Callable[[str], None] = print,
     duration_s: float | None = None,
     step_params: step.StepParams | None = None,
+    soak_overrides: Mapping[str, Any] | None = None,
 ) -> list[CaseResult]:
     """Run the presets' cases, alternating the servers A B A B ``repeats`` times per case, and
     write ``results.json``, ``summary.md`` and the plots into ``out_dir``.
@@ -38,7 +40,9 @@ async def run_bench(
     Blocks for as long as the runs take (minutes for ``all``). Every process started is ended
     before this returns, also on cancellation. A run that fails is recorded with its error and
     the bench goes on. Raises ``KeyError`` for an unknown preset name. ``step_params`` shapes
-    the ``step`` preset (default :class:`~genrm_trio.bench.cases.step.StepParams`).
+    the ``step`` preset (default :class:`~genrm_trio.bench.cases.step.StepParams`);
+    ``soak_overrides`` are keyword arguments of
+    :func:`~genrm_trio.bench.cases.soak.soak_case`.
     """
     names = ([p for p in PRESETS if p not in NOT_IN_ALL] if list(presets) == ["all"]
              else list(presets))
@@ -46,6 +50,7 @@ async def run_bench(
         case
         for name in names
         for case in (step_cases(step_params) if name == "step" and step_params
+                     else [soak_preset(**soak_overrides)] if name == "soak" and soak_overrides
                      else PRESETS[name]())
     ]
     if duration_s is not None:

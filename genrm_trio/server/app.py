@@ -39,6 +39,8 @@ from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import CohortRegistry, Outcome, Rewarded
 from genrm_trio.server.judge import Judge, JudgeRequest
+from genrm_trio.server.judge.h11_pool import MAX_IDLE_PER_ORIGIN
+from genrm_trio.server.process_memory import ProcessMemory
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.shutdown import ShutdownDeadline
 
@@ -104,10 +106,12 @@ async def _read_body() -> bytes:
 
 
 def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
-               metrics: ServerMetrics | None = None) -> QuartTrio:
-    """Build the quart-trio app. The registry, judge and metrics are owned by ``serve``; the app
-    only borrows them, so it starts no task of its own. Without ``metrics`` (tests), a
-    :class:`ServerMetrics` reading ``registry`` and ``judge`` is made here."""
+               metrics: ServerMetrics | None = None,
+               memory: ProcessMemory | None = None) -> QuartTrio:
+    """Build the quart-trio app. The registry, judge, metrics and memory are owned by
+    ``serve``; the app only borrows them, so it starts no task of its own. Without ``metrics``
+    (tests), a :class:`ServerMetrics` reading ``registry`` and ``judge`` is made here; without
+    ``memory``, a :class:`ProcessMemory` that never trims."""
     if metrics is None:
         metrics = ServerMetrics()
         metrics.read_from(registry, judge)
@@ -118,6 +122,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     # Quart's own body deadline: a client that trickles its body gets a 408 (RequestTimeout).
     app.config["BODY_TIMEOUT"] = cfg.request_read_timeout_s
     started_wall = time.time()
+    process_memory = memory if memory is not None else ProcessMemory.open()
 
     @app.errorhandler(WireError)
     async def _wire_error(exc: WireError) -> Response:
@@ -177,14 +182,28 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     @app.get("/status")
     async def status() -> Response:
         await request.get_data()
+        judge_status = judge.status()
         return json_response({
             "uptime_s": round(time.time() - started_wall, 3),
             "shutting_down": registry.shutting_down,
             "cohorts": registry.snapshot(),
             "journal": registry.journal.status() if registry.journal is not None else None,
-            "judge": judge.status(),
+            "judge": judge_status,
+            "memory": {**process_memory.status(), "structures": {
+                **registry.retention(), **_judge_structures(cfg, judge_status),
+                "metrics_series": {"count": exposition.series(), "cap": None, "ttl_s": None}}},
             "config": config_summary(cfg),
         })
+
+    @app.get("/debug/memory")
+    async def debug_memory() -> Response:
+        # The diagnostic of bench/README.md's soak: tracemalloc's top growers by traceback
+        # since a baseline (the first call, or one with ?reset=1), only when the process
+        # started with PYTHONTRACEMALLOC; otherwise just {"tracing": false}.
+        await request.get_data()
+        top = min(200, max(1, request.args.get("top", 20, type=int) or 20))
+        reset = request.args.get("reset", "") in ("1", "true")
+        return json_response(await process_memory.trace.report(top=top, reset=reset))
 
     @app.get("/openapi.json")
     async def openapi() -> Response:
@@ -200,6 +219,22 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         return Response(text, status=200, content_type=content_type)
 
     return app
+
+
+def _judge_structures(cfg: Config, status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The judge's structures that grow with requests, from its ``/status`` block: its pooled
+    connections (idle ones up to the pool's cap per endpoint, busy ones up to the limiter's
+    capacity) and the calls queued at its limiter (at most the comparisons of the active
+    cohorts)."""
+    endpoints = status.get("endpoints", [])
+    limiter = status.get("limiter", {})
+    return {
+        "judge_connections": {
+            "count": sum(int(e.get("clients") or 0) for e in endpoints),
+            "cap": len(endpoints) * MAX_IDLE_PER_ORIGIN + cfg.judge_max_concurrency, "ttl_s": None},
+        "judge_limiter_waiting": {"count": int(limiter.get("waiting") or 0), "cap": None,
+                                  "ttl_s": cfg.cohort_evaluation_timeout_s},
+    }
 
 
 def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, Any, list[

@@ -46,7 +46,7 @@ import trio
 from genrm_trio import identity, scoring
 from genrm_trio.config import Config
 from genrm_trio.errors import GenRMError, JudgeFailed
-from genrm_trio.server import memory
+from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import GroupProgress, JudgeRequest
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
@@ -280,7 +280,7 @@ class CohortRegistry:
                  *, service: trio.Nursery | None = None) -> None:
         # `serve` hands over a config resolved at start; a registry built from a plain one
         # (tests, tools) resolves max_active_bytes: auto here, once.
-        self._cfg = cfg = memory.resolved(cfg)
+        self._cfg = cfg = memory_limit.resolved(cfg)
         self._max_active_bytes = cfg.max_active_bytes
         # Where the watch timer runs (apart from the cohort tasks); without one, waiters watch
         # their connections from the start.
@@ -446,6 +446,27 @@ class CohortRegistry:
             "retained_records": len(self._records),
             "watermarks": len(self._watermarks),
             "active_bytes": self._active_bytes + self._duplicate_bytes,
+        }
+
+    def retention(self) -> dict[str, dict[str, Any]]:
+        """For ``/status``: every structure of the registry that grows with requests, its size
+        and its bound (``cap``: a count, ``ttl_s``: an age; None where the config leaves it
+        unlimited). Synchronous, O(1)."""
+        cfg = self._cfg
+        return {
+            "records": {"count": len(self._records), "cap": cfg.max_terminal_cohorts,
+                        "ttl_s": cfg.cohort_result_ttl_s},
+            # Idle groups' watermarks are capped; active groups' ones go with their cohorts.
+            "idle_watermarks": {"count": len(self._idle_groups), "cap": self._watermark_cap,
+                                "ttl_s": self._watermark_ttl_s},
+            "active_groups": {"count": len(self._active_by_group),
+                              "cap": cfg.max_active_cohorts, "ttl_s": None},
+            "active_cohorts": {"count": len(self._active), "cap": cfg.max_active_cohorts,
+                               "ttl_s": cfg.cohort_collection_timeout_s
+                               + cfg.cohort_evaluation_timeout_s},
+            "watch_queue": {"count": len(self._watch_due), "cap": None,
+                            "ttl_s": DISCONNECT_WATCH_AFTER_S + _WATCH_SLACK_S},
+            "counters": {"count": len(self.counters), "cap": None, "ttl_s": None},
         }
 
     # ------------------------------------------------------------------ admission

@@ -105,6 +105,12 @@ class ServerMetrics:
     def unauthorized(self) -> None:
         self._unauthorized.inc()
 
+    def series(self) -> int:
+        """Labelled children held by the histograms (``/status``): bounded, as every label
+        value comes from a fixed set or the configuration."""
+        return (len(self._verify_children) + len(self._collection_children)
+                + len(self._evaluation_children) + len(self._judge_children))
+
     # ---------------------------------------------------------------- exposition
 
     def render(self) -> tuple[bytes, str]:

@@ -1,11 +1,11 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
 Ownership: :func:`run_server` resolves the machine-dependent config defaults (``max_active_bytes:
-auto``, server/memory.py), opens the judge (its HTTP clients), then the registry (which owns its
-own nursery, where every cohort task lives), then the root nursery that runs Hypercorn and, with
-``probe_port`` set, the probe listener beside it (server/probes.py). A cohort's
-failure stays inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is
-one cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
+auto``, server/memory_limit.py), opens the judge (its HTTP clients), then the registry (which owns
+its own nursery, where every cohort task lives), then the root nursery that runs Hypercorn and,
+with ``probe_port`` set, the probe listener beside it (server/probes.py). A cohort's failure stays
+inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is one
+cancellation from the top: the shutdown event fails every active cohort with ``shutdown`` (each
 waiter answers its 503), Hypercorn stops accepting and gives open connections ``shutdown_grace_s``
 to finish, then the root nursery is cancelled. One deadline (:class:`ShutdownDeadline`, fixed when
 shutdown begins) bounds every send and cleanup; connections still open at it are aborted at the
@@ -32,13 +32,14 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from genrm_trio.config import Config, ResolvedConfig, format_bytes
 from genrm_trio.errors import ConfigError
-from genrm_trio.server import memory
+from genrm_trio.server import memory_limit
 from genrm_trio.server.app import create_app, with_verify_fast_path
 from genrm_trio.server.auth import OPEN_PATHS, BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
 from genrm_trio.server.probes import bound_url, open_probe_socket, serve_probes
+from genrm_trio.server.process_memory import ProcessMemory
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.shutdown import (
     CLEANUP_S,
@@ -88,7 +89,7 @@ async def run_server(
     """
     stop = shutdown if shutdown is not None else trio.Event()
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
-    cfg = memory.resolved(cfg)
+    cfg = memory_limit.resolved(cfg)
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
@@ -133,7 +134,8 @@ async def _serve_in(
         # cancelled.
         await root.start(partial(serve_probes, probe_socket, lambda: not registry.shutting_down,
                                  after=main_serving))
-    app = create_app(cfg, registry, judge, metrics)
+    process_memory = ProcessMemory.open(cfg.malloc_trim_interval_s)
+    app = create_app(cfg, registry, judge, metrics, process_memory)
 
     def begin_shutdown() -> None:
         drain.begin()
@@ -162,6 +164,7 @@ async def _serve_in(
     binds: list[str] = await root.start(hypercorn_task)
     url = binds[0]
     root.start_soon(_abort_connections_at_deadline, drain, int(url.rsplit(":", 1)[1]))
+    root.start_soon(process_memory.trim_periodically)  # malloc's freed memory back to the OS
     logger.info("genrm-trio serving on %s (num_rollouts_per_prompt=%d)", url,
                 cfg.num_rollouts_per_prompt)
     logger.info("max_active_bytes: %s (%s)",

@@ -29,17 +29,23 @@ with ``gate_growth`` (the preset): how much a run of a few seconds grows depends
 requests the machine sends in them, so a smoke run reports growth without gating on it and
 checks only what holds at any speed (no unexpected answer, nothing left over, no error
 line). The window starts after ``warm_fraction`` of the run: records and the judge connection
-pool fill up to their caps first, which is growth by design.
+pool fill up to their caps first, which is growth by design. A run of an hour or more
+(``slope_gate_min_s``) gates RSS instead on the least-squares slope over the last half of its
+load, under ``rss_slope_limit_mb_per_min`` (0.1 MB a minute): after any warm-up, it must stay
+flat. Every sample also keeps ``/status``'s memory block (malloc's view, the bounded
+structures' counts), and ``tracemalloc_frames`` records tracemalloc's top growers: the
+method of bench/README.md, "Memory for hours".
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +58,10 @@ from genrm_trio.bench.loadgen import BodyFactory, LoadPlan, percentile
 from genrm_trio.bench.records import BenchContext, Case, JudgeSettings, RunRecord, ServerSettings
 from genrm_trio.bench.rig import Rig, _rig
 
-__all__ = ["SoakSample", "hostile_requests", "soak_case", "soak_checks"]
+__all__ = [
+    "SoakSample", "hostile_requests", "last_half", "memory_figures", "parse_soak_overrides",
+    "rss_fit", "soak_case", "soak_checks",
+]
 
 _encode = msgspec.json.Encoder().encode
 _HOSTILE_OK = frozenset({400, 405, 413, 415, 422})
@@ -73,6 +82,10 @@ class SoakSample:
     judge_connections: int = 0
     """Connections the server holds to the judge (``/status``): its pool keeps up to its
     idle cap open after a burst, which is bounded, so the descriptor check leaves them out."""
+    memory: Mapping[str, float] = field(default_factory=dict)
+    """``/status``'s memory block, flattened: the allocator's view (``allocator.*``), the
+    sizes of the structures that grow with requests (``structures.*``), pymalloc's blocks and
+    tracemalloc's total when tracing."""
 
 
 def _window(samples: Sequence[SoakSample], warm_fraction: float) -> list[SoakSample]:
@@ -94,6 +107,29 @@ def _slope_per_min(points: Sequence[tuple[float, float]]) -> float:
     return 60.0 * sum((t - mean_t) * (v - mean_v) for t, v in points) / var
 
 
+def last_half(samples: Sequence[SoakSample], until_s: float | None = None) -> list[SoakSample]:
+    """The samples of the second half of the run, by time: from the midpoint between the first
+    sample and ``until_s`` (the end of the load; default the last sample) to ``until_s``.
+    Pure."""
+    if not samples:
+        return []
+    end = samples[-1].t_s if until_s is None else until_s
+    start = samples[0].t_s + 0.5 * (end - samples[0].t_s)
+    return [s for s in samples if start <= s.t_s <= end]
+
+
+def rss_fit(samples: Sequence[SoakSample]) -> tuple[float, float]:
+    """Least-squares line through (minutes, RSS MB) of ``samples``: (slope in MB per minute,
+    RSS in MB at the first sample's time); NaNs for fewer than two distinct times. Pure."""
+    points = [(s.t_s, s.rss_bytes / 2**20) for s in samples]
+    slope = _slope_per_min(points)
+    if math.isnan(slope):
+        return math.nan, math.nan
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    return slope, mean_v - slope * (mean_t - points[0][0]) / 60.0
+
+
 def soak_checks(
     samples: Sequence[SoakSample],
     *,
@@ -104,10 +140,19 @@ def soak_checks(
     rss_tolerance_fraction: float,
     fd_tolerance: int,
     gate_growth: bool = True,
+    rss_slope_limit_mb_per_min: float | None = None,
+    load_end_s: float | None = None,
 ) -> tuple[dict[str, float], list[str]]:
     """The soak's resource figures and its failed checks (empty: passed); RSS and descriptor
-    growth are failed checks only with ``gate_growth``. Pure."""
+    growth are failed checks only with ``gate_growth``.
+
+    ``rss_last_half_slope_mb_per_min`` is the least-squares slope of RSS over the last half of
+    the load (samples up to ``load_end_s``, default all). With ``rss_slope_limit_mb_per_min``
+    (long runs: see :func:`soak_case`) that slope is the RSS gate instead of the growth over
+    the window: a long run may fill caches and pools for a while and must then stay flat.
+    Pure."""
     window = _window(samples, warm_fraction)
+    half = last_half(samples, load_end_s)
     failed: list[str] = []
     figures: dict[str, float] = {}
     if unexpected:
@@ -138,7 +183,17 @@ def soak_checks(
     rss_growth = (last.rss_bytes - first.rss_bytes) / mb
     figures["rss_growth_mb"] = rss_growth
     figures["rss_allowed_growth_mb"] = rss_allowed
-    if gate_growth and rss_growth > rss_allowed:
+    slope, intercept = rss_fit(half)
+    figures["rss_last_half_slope_mb_per_min"] = slope
+    figures["rss_last_half_fit_start_mb"] = intercept
+    figures["rss_last_half_start_s"] = half[0].t_s if half else math.nan
+    figures["rss_last_half_end_s"] = half[-1].t_s if half else math.nan
+    if rss_slope_limit_mb_per_min is not None:
+        figures["rss_slope_limit_mb_per_min"] = rss_slope_limit_mb_per_min
+        if gate_growth and not slope < rss_slope_limit_mb_per_min:
+            failed.append(f"RSS grew {slope:.3f} MB a minute over the last half of the load "
+                          f"(allowed under {rss_slope_limit_mb_per_min:g})")
+    elif gate_growth and rss_growth > rss_allowed:
         failed.append(f"RSS grew {rss_growth:.1f} MB over the window (allowed {rss_allowed:.1f})")
     tenth = max(1, len(window) // 10)
 
@@ -284,6 +339,12 @@ def soak_case(
     max_compare_responses: int = 128,
     collection_timeout_s: float = 30.0,
     gate_growth: bool = True,
+    slope_gate_min_s: float = 3600.0,
+    rss_slope_limit_mb_per_min: float = 0.1,
+    tracemalloc_frames: int = 0,
+    trace_s: float = 60.0,
+    server_env: tuple[tuple[str, str], ...] = (),
+    server_sets: tuple[tuple[str, str], ...] = (),
 ) -> Case:
     """The soak: ``duration_s`` of open-loop load at ``load_fraction`` of the capacity measured
     first (closed loop, ``capacity_k`` cohorts in flight for ``capacity_s``; or
@@ -294,8 +355,34 @@ def soak_case(
     ``collection_timeout_s`` is long enough that a normal cohort (members sent within 20 ms)
     never meets it, even when a machine shared with other work stalls the load for seconds;
     the abandoned cohorts wait it out. ``gate_growth=False`` (smoke runs) reports RSS and
-    descriptor growth without failing on it. See the module docstring for what passes. Ours
-    only."""
+    descriptor growth without failing on it. A run of at least ``slope_gate_min_s`` gates RSS
+    on the slope of its last half (under ``rss_slope_limit_mb_per_min``) instead of its growth
+    over the window. See the module docstring for what passes. Ours only.
+
+    Diagnostics (bench/README.md, "Memory for hours"): ``tracemalloc_frames`` > 0 starts the
+    server with ``PYTHONTRACEMALLOC`` and records tracemalloc's top growers (by traceback,
+    ``GET /debug/memory``, since the window's start) every ``trace_s``; ``server_env`` sets more
+    variables for the server (``MALLOC_ARENA_MAX=2`` for an A/B of the allocator),
+    ``server_sets`` more of its config keys (``malloc_trim_interval_s=null``)."""
+    kwargs: dict[str, Any] = {
+        "duration_s": duration_s, "n": n, "judge_ms": judge_ms, "capacity_s": capacity_s,
+        "capacity_k": capacity_k, "capacity_verifies_per_s": capacity_verifies_per_s,
+        "load_fraction": load_fraction, "fault_rate": fault_rate,
+        "disconnect_fraction": disconnect_fraction, "abandon_fraction": abandon_fraction,
+        "hostile_fraction": hostile_fraction, "sample_s": sample_s,
+        "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
+        "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
+        "max_compare_responses": max_compare_responses,
+        "collection_timeout_s": collection_timeout_s, "gate_growth": gate_growth,
+        "slope_gate_min_s": slope_gate_min_s,
+        "rss_slope_limit_mb_per_min": rss_slope_limit_mb_per_min,
+        "tracemalloc_frames": tracemalloc_frames, "trace_s": trace_s, "server_env": server_env,
+        "server_sets": server_sets,
+    }
+    slope_limit = rss_slope_limit_mb_per_min if duration_s >= slope_gate_min_s else None
+    env = dict(server_env)
+    if tracemalloc_frames > 0:
+        env["PYTHONTRACEMALLOC"] = str(tracemalloc_frames)
     params: dict[str, Any] = {
         "gate": True, "duration_s": duration_s, "n": n, "judge_ms": judge_ms,
         "load_fraction": load_fraction, "fault_rate": fault_rate,
@@ -304,13 +391,16 @@ def soak_case(
         "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
         "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
         "collection_timeout_s": collection_timeout_s, "gate_growth": gate_growth,
+        "rss_slope_limit_mb_per_min": slope_limit, "tracemalloc_frames": tracemalloc_frames,
+        "server_env": env, "server_sets": dict(server_sets),
     }
     settings = ServerSettings(
         n=n, collection_timeout_s=collection_timeout_s, result_ttl_s=60.0,
         max_terminal_cohorts=2000,
         ours_extra=(("max_request_bytes", str(_MAX_REQUEST_BYTES)),
                     ("cohort_evaluation_timeout_s", "60"), ("judge_request_timeout_s", "10"),
-                    ("max_compare_responses", str(max_compare_responses))),
+                    ("max_compare_responses", str(max_compare_responses)), *server_sets),
+        ours_env=tuple(sorted(env.items())),
     )
     hostile = hostile_requests(n, max_compare_responses)
 
@@ -339,6 +429,7 @@ def soak_case(
             "POST", "/admin/fault", _encode({"fault": "none", "count": None, "rate": fault_rate}))
         tally = _Tally()
         samples: list[SoakSample] = []
+        traces: list[dict[str, Any]] = []
         started = time.perf_counter()
         stop_at = started + duration_s
         rng = random.Random(29)
@@ -346,8 +437,17 @@ def soak_case(
         shed = 0
         max_in_flight = max(64, int(8 * member_rate * 1.0 / n))  # cohorts: ~8 s of arrivals
 
+        status_misses = 0
+
         async def sample() -> None:
-            status = msgspec.json.decode((await rig.client.get("/status")).body)
+            nonlocal status_misses
+            try:
+                status = msgspec.json.decode((await rig.client.get("/status")).body)
+            except loadgen.LoadgenError:
+                # A machine shared with other work can overflow the listen backlog for a
+                # moment: a missed /status is counted, the /proc figures are still sampled.
+                status_misses += 1
+                status = {}
             judge_connections = sum(int(e.get("clients") or 0)
                                     for e in status.get("judge", {}).get("endpoints", []))
             stats = loadgen.read_proc_stats(pid)
@@ -355,12 +455,26 @@ def soak_case(
                 load_avg = float(f.read().split()[0])
             samples.append(SoakSample(time.perf_counter() - started, stats.rss_bytes,
                                       loadgen.count_fds(pid), stats.cpu_s, load_avg,
-                                      judge_connections))
+                                      judge_connections, memory_figures(status)))
 
         async def sampler() -> None:
             while True:
                 await sample()
                 await trio.sleep(sample_s)
+
+        async def tracer() -> None:
+            """tracemalloc's top growers since the window's start, every ``trace_s``."""
+            await trio.sleep(warm_fraction * duration_s)
+            with contextlib.suppress(loadgen.LoadgenError):  # else the next one sets it
+                await rig.client.get("/debug/memory?reset=1")
+            while True:
+                await trio.sleep(trace_s)
+                try:
+                    answer = msgspec.json.decode(
+                        (await rig.client.get("/debug/memory?top=15")).body)
+                except loadgen.LoadgenError as exc:
+                    answer = {"error": str(exc)[:200]}
+                traces.append({"t_s": round(time.perf_counter() - started, 1), **answer})
 
         async def member(klass: str, cohort: int, slot: int, delay_s: float) -> None:
             await trio.sleep(delay_s)
@@ -442,6 +556,8 @@ def soak_case(
 
         async with trio.open_nursery() as watch:
             watch.start_soon(sampler)
+            if tracemalloc_frames > 0:
+                watch.start_soon(tracer)
             with trio.move_on_after(duration_s + collection_timeout_s + 120.0) as bounded:
                 async with trio.open_nursery() as traffic:
                     traffic.start_soon(arrivals, traffic)
@@ -463,7 +579,8 @@ def soak_case(
             samples, unexpected=tally.unexpected, leftover=leftover,
             warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
             rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
-            gate_growth=gate_growth)
+            gate_growth=gate_growth, rss_slope_limit_mb_per_min=slope_limit,
+            load_end_s=duration_s)
         third = duration_s / 3
         early = [s for t, s in tally.latencies if t < third]
         late = [s for t, s in tally.latencies if t >= 2 * third]
@@ -476,6 +593,7 @@ def soak_case(
             "requests": float(requests),
             "unexpected": float(tally.unexpected),
             "shed_cohorts": float(shed),
+            "status_misses": float(status_misses),
             "latency_p50_ms_first_third": 1000 * percentile(early, 0.5),
             "latency_p99_ms_first_third": 1000 * percentile(early, 0.99),
             "latency_p50_ms_last_third": 1000 * percentile(late, 0.5),
@@ -492,7 +610,10 @@ def soak_case(
             "failed_checks": failed,
             "leftover": leftover,
             "logged_errors": errors[:_EXAMPLES],
+            "memory_end": dict(samples[-1].memory) if samples else {},
+            "tracemalloc": traces,
         }
+        memory_keys = sorted({k for s in samples for k in s.memory})
         return RunRecord(metrics, {
             "t_s": [s.t_s for s in samples],
             "rss_mb": [s.rss_bytes / 2**20 for s in samples],
@@ -500,23 +621,79 @@ def soak_case(
             "server_cpu_s": [s.cpu_s for s in samples],
             "load_avg": [s.load_avg for s in samples],
             "judge_connections": [float(s.judge_connections) for s in samples],
+            **{f"memory.{k}": [s.memory.get(k, math.nan) for s in samples]
+               for k in memory_keys},
         }, notes)
 
     def resize(seconds: float) -> Case:
-        return soak_case(
-            duration_s=seconds, n=n, judge_ms=judge_ms, capacity_s=capacity_s,
-            capacity_k=capacity_k,
-            capacity_verifies_per_s=capacity_verifies_per_s, load_fraction=load_fraction,
-            fault_rate=fault_rate, disconnect_fraction=disconnect_fraction,
-            abandon_fraction=abandon_fraction, hostile_fraction=hostile_fraction,
-            sample_s=sample_s, warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
-            rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
-            max_compare_responses=max_compare_responses,
-            collection_timeout_s=collection_timeout_s, gate_growth=gate_growth)
+        return soak_case(**{**kwargs, "duration_s": seconds})
 
     return Case("soak", f"{duration_s:g}s-n{n}-load{load_fraction:g}", run, params,
                 kinds=("ours",),
                 resize=resize)
+
+
+def memory_figures(status: Mapping[str, Any]) -> dict[str, float]:
+    """``/status``'s memory block flattened to numbers (``allocator.heap_bytes``,
+    ``structures.records``, ...); what is missing or not a number is left out. Pure."""
+    memory = status.get("memory") or {}
+    out: dict[str, float] = {}
+    for key in ("rss_bytes", "python_blocks"):
+        if isinstance(memory.get(key), int | float):
+            out[key] = float(memory[key])
+    gc_status = memory.get("gc") or {}
+    for index, pending in enumerate(gc_status.get("pending") or []):
+        out[f"gc.pending{index}"] = float(pending)
+    for index, runs in enumerate(gc_status.get("collections") or []):
+        out[f"gc.collections{index}"] = float(runs)
+    for key, value in (memory.get("allocator") or {}).items():
+        if isinstance(value, int | float):
+            out[f"allocator.{key}"] = float(value)
+    for key, value in (memory.get("tracemalloc") or {}).items():
+        if isinstance(value, int | float) and key != "frames":
+            out[f"tracemalloc.{key}"] = float(value)
+    for key, value in (memory.get("structures") or {}).items():
+        count = value.get("count") if isinstance(value, dict) else None
+        if isinstance(count, int | float):
+            out[f"structures.{key}"] = float(count)
+    return out
+
+
+_OVERRIDE_TYPES: Mapping[str, type] = {
+    "load_fraction": float, "n": int, "judge_ms": float, "fault_rate": float,
+    "disconnect_fraction": float, "abandon_fraction": float, "hostile_fraction": float,
+    "sample_s": float, "warm_fraction": float, "capacity_verifies_per_s": float,
+    "tracemalloc_frames": int, "trace_s": float, "rss_slope_limit_mb_per_min": float,
+    "slope_gate_min_s": float,
+}
+
+
+def parse_soak_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``--soak KEY=VALUE`` strings as :func:`soak_case` keyword arguments; ``env=NAME=VALUE``
+    (repeatable) sets a variable for the server, ``set=KEY=VALUE`` one of its config keys
+    (``set=malloc_trim_interval_s=null``). Raises ``ValueError`` naming the key. Pure."""
+    out: dict[str, Any] = {}
+    env: list[tuple[str, str]] = []
+    sets: list[tuple[str, str]] = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if key in ("env", "set") and "=" in value:
+            name, _, val = value.partition("=")
+            (env if key == "env" else sets).append((name.strip(), val))
+            continue
+        if not sep or key not in _OVERRIDE_TYPES:
+            raise ValueError(f"--soak {item!r}: unknown key (one of env, set, "
+                             f"{', '.join(_OVERRIDE_TYPES)})")
+        try:
+            out[key] = _OVERRIDE_TYPES[key](value)
+        except ValueError:
+            raise ValueError(f"--soak {key}: bad value {value!r}") from None
+    if env:
+        out["server_env"] = tuple(env)
+    if sets:
+        out["server_sets"] = tuple(sets)
+    return out
 
 
 def _logged_errors(path: Path | None) -> list[str]:

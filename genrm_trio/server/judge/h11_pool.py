@@ -15,6 +15,9 @@ from genrm_trio.server.judge.attempt import AttemptFailed
 from genrm_trio.server.judge.endpoints import Endpoint
 from genrm_trio.server.judge.transport import Answer
 
+MAX_IDLE_PER_ORIGIN = 1024
+"""Idle keep-alive connections kept per judge origin (more are closed as they come back)."""
+
 
 class _StaleConnection(Exception):
     """A reused keep-alive connection was closed by the peer before any answer byte."""
@@ -86,7 +89,7 @@ class H11Pool:
     """
 
     def __init__(self, ssl_context: ssl.SSLContext, headers: dict[str, str],
-                 max_idle_per_origin: int = 1024) -> None:
+                 max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN) -> None:
         self._ssl = ssl_context
         self._headers = [(k.encode(), v.encode()) for k, v in headers.items()]
         self._max_idle = max_idle_per_origin

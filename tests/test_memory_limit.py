@@ -1,5 +1,5 @@
 """``max_active_bytes: auto``: the memory this process may use, read from fake cgroup files
-(server/memory.py), and its resolution into the budget (config.resolve_memory)."""
+(server/memory_limit.py), and its resolution into the budget (config.resolve_memory)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from genrm_trio.config import (
     resolve_memory,
 )
 from genrm_trio.errors import ConfigError
-from genrm_trio.server import memory
-from genrm_trio.server.memory import detect_memory_limit
+from genrm_trio.server import memory_limit
+from genrm_trio.server.memory_limit import detect_memory_limit
 
 GIB = 2**30
 PHYSICAL = 24 * GIB
@@ -108,7 +108,7 @@ def test_no_cgroup_file_no_limit_files() -> None:
 def test_nothing_readable_is_a_config_error_for_auto_only() -> None:
     assert detect(None, {}, physical=None) is None
     with pytest.raises(ConfigError) as info:
-        memory.resolved(Config(), detect=lambda: None)
+        memory_limit.resolved(Config(), detect=lambda: None)
     assert info.value.key == "memory_limit_bytes"
     assert "memory_limit_bytes" in str(info.value) and "\n" not in str(info.value)
 
@@ -128,7 +128,7 @@ def never() -> MemoryLimit | None:
 def test_auto_is_a_quarter_of_the_limit_found() -> None:
     assert AUTO_ACTIVE_BYTES_DIVISOR == 4
     found = MemoryLimit(8 * GIB, "cgroup v2 memory.max of /sys/fs/cgroup")
-    cfg = memory.resolved(Config(), detect=lambda: found)
+    cfg = memory_limit.resolved(Config(), detect=lambda: found)
     assert isinstance(cfg, ResolvedConfig)
     assert (cfg.memory_limit_bytes, cfg.max_active_bytes) == (8 * GIB, 2 * GIB)
     assert cfg.memory_limit_source == "cgroup v2 memory.max of /sys/fs/cgroup"
@@ -138,7 +138,7 @@ def test_auto_is_a_quarter_of_the_limit_found() -> None:
 
 
 def test_a_configured_limit_is_not_read_from_the_machine() -> None:
-    cfg = memory.resolved(load_config(overrides=["memory_limit_bytes=2147483648"], env={}),
+    cfg = memory_limit.resolved(load_config(overrides=["memory_limit_bytes=2147483648"], env={}),
                           detect=never)
     assert (cfg.memory_limit_bytes, cfg.max_active_bytes) == (2 * GIB, GIB // 2)
     assert cfg.memory_limit_source == "configured"
@@ -151,15 +151,15 @@ def test_a_configured_limit_is_not_read_from_the_machine() -> None:
 ])
 def test_null_and_numbers_stay_as_configured(value: str, budget: int | None,
                                             source: str) -> None:
-    cfg = memory.resolved(load_config(overrides=[f"max_active_bytes={value}"], env={}),
+    cfg = memory_limit.resolved(load_config(overrides=[f"max_active_bytes={value}"], env={}),
                           detect=lambda: MemoryLimit(8 * GIB, "physical memory"))
     assert (cfg.max_active_bytes, cfg.max_active_bytes_source) == (budget, source)
     assert cfg.memory_limit_bytes == 8 * GIB  # still shown, for /status
 
 
 def test_a_resolved_config_is_kept_as_is() -> None:
-    cfg = memory.resolved(Config(), detect=lambda: MemoryLimit(4 * GIB, "physical memory"))
-    assert memory.resolved(cfg, detect=never) is cfg
+    cfg = memory_limit.resolved(Config(), detect=lambda: MemoryLimit(4 * GIB, "physical memory"))
+    assert memory_limit.resolved(cfg, detect=never) is cfg
     assert resolve_memory(cfg, None) is cfg
 
 
@@ -168,7 +168,7 @@ def test_the_summary_shows_the_resolved_numbers_and_their_sources() -> None:
     assert (unresolved["max_active_bytes"], unresolved["memory_limit_bytes"]) == ("auto", "auto")
     detected: Callable[[], MemoryLimit | None] = lambda: MemoryLimit(  # noqa: E731
         4 * GIB, "cgroup v1 memory.limit_in_bytes of /sys/fs/cgroup/memory/job")
-    summary = config_summary(memory.resolved(Config(), detect=detected))
+    summary = config_summary(memory_limit.resolved(Config(), detect=detected))
     assert summary["max_active_bytes"] == GIB
     assert summary["memory_limit_bytes"] == 4 * GIB
     assert summary["memory_limit_source"] == (
