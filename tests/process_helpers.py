@@ -8,6 +8,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -118,3 +119,21 @@ def require_program(ensure: Callable[[], str], errors: type[Exception], package:
         return ensure()
     except errors as exc:
         pytest.fail(f"{package} is needed (apt-get install -y {package}): {exc}")
+
+
+def wait_for_line(stream: Any, needle: str, timeout_s: float = 30.0) -> str:
+    """Read a child's text stream (in a thread, bounded) until a line contains ``needle``;
+    fail the test when none does within ``timeout_s``."""
+    found: list[str] = []
+
+    def reader() -> None:
+        for line in stream:
+            if needle in line:
+                found.append(line)
+                return
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert found, f"no line with {needle!r} within {timeout_s} s"
+    return found[0]

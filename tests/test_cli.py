@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.process_helpers import wait_for_line
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -50,22 +50,6 @@ def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[st
                             env={**os.environ, **(env or {})})
 
 
-def _wait_for_line(stream: Any, needle: str, timeout_s: float = 30.0) -> str:
-    """Read lines (in a thread, bounded) until one contains ``needle``."""
-    found: list[str] = []
-
-    def reader() -> None:
-        for line in stream:
-            if needle in line:
-                found.append(line)
-                return
-
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    assert found, f"no line with {needle!r} within {timeout_s} s"
-    return found[0]
-
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
 def test_serve_drains_then_exits_130_on_ctrl_c_and_0_on_sigterm(
@@ -75,7 +59,7 @@ def test_serve_drains_then_exits_130_on_ctrl_c_and_0_on_sigterm(
                   "--set", "log_format=json")
     try:
         assert proc.stdout is not None
-        _wait_for_line(proc.stdout, "listening on")
+        wait_for_line(proc.stdout, "listening on")
         proc.send_signal(signum)
         _out, err = proc.communicate(timeout=30)
     finally:
@@ -105,7 +89,7 @@ def test_collect_exits_130_with_one_line_on_ctrl_c(tmp_path: Path) -> None:
                   "--mock-policy-set", "latency_mean_s=60")
     try:
         assert proc.stderr is not None
-        _wait_for_line(proc.stderr, "collect: 0/8 rollouts")  # running, stuck in generation
+        wait_for_line(proc.stderr, "collect: 0/8 rollouts")  # running, stuck in generation
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=30)
     finally:

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from genrm_trio.nemo_env import (
     check_served_address,
     read_nemo_env,
 )
+from tests.process_helpers import wait_for_line
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRY_DIR = REPO / "resources_servers" / "genrm_trio"
@@ -355,22 +355,6 @@ def free_port() -> int:
         return port
 
 
-def read_line(stream: Any, needle: str, timeout_s: float = 30.0) -> str:
-    """Read lines (in a thread, bounded) until one contains ``needle``."""
-    found: list[str] = []
-
-    def reader() -> None:
-        for line in stream:
-            if needle in line:
-                found.append(line)
-                return
-
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    assert found, f"no line with {needle!r} within {timeout_s} s"
-    return found[0]
-
 
 def start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -395,7 +379,7 @@ def test_app_py_serves_the_block_on_its_address() -> None:
     block = {**BLOCK, "port": port, "num_rollouts_per_prompt": 3, "top_percentile": 0.5}
     proc = start(APP, env_for(nemo_config(block), GENRM_TRIO_LOG_FORMAT="json"), ENTRY_DIR)
     assert proc.stdout is not None
-    line = read_line(proc.stdout, "listening on")
+    line = wait_for_line(proc.stdout, "listening on")
     assert f"listening on http://127.0.0.1:{port}" in line
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as answer:
         summary = json.load(answer)["config"]
@@ -410,7 +394,7 @@ def test_external_py_waits_until_stopped(signum: signal.Signals, code: int) -> N
     block = {"entrypoint": "external.py", "domain": "rlhf", "host": "127.0.0.1", "port": 16661}
     proc = start([sys.executable, "external.py"], env_for(nemo_config(block)), ENTRY_DIR)
     assert proc.stderr is not None
-    read_line(proc.stderr, "uses the genrm-trio at http://127.0.0.1:16661")
+    wait_for_line(proc.stderr, "uses the genrm-trio at http://127.0.0.1:16661")
     assert proc.poll() is None
     returncode, _err = stop(proc, signum)
     assert returncode == code
