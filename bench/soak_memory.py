@@ -4,8 +4,9 @@
 
 One row per ``--every-s`` of the run: RSS; malloc's heap, what is in use in it and what is held
 free (glibc's mallinfo2); RSS outside malloc's heap and mapped blocks (pymalloc's arenas, code,
-stacks; only meaningful while nothing was trimmed, since a trimmed heap page is counted in the
-heap but is not resident); pymalloc's blocks; and the bounded structures of ``/status``. Then the
+stacks; a lower bound once trimmed, since a trimmed heap page is counted in the heap but is not
+resident); pymalloc's blocks; open descriptors (client connections, the judge's, files); and the
+bounded structures of ``/status``. Then the
 last-half RSS slope, the trims, and, when the soak ran with ``--soak tracemalloc_frames=N``,
 the top growers by traceback since the window's start at the last report.
 """
@@ -51,7 +52,8 @@ def _report(case: dict[str, Any], run: dict[str, Any], every_s: float, top: int)
             return "-"
         return f"{values[i] / scale:.1f}" if scale != 1.0 else f"{values[i]:.0f}"
 
-    head = ["min", "rss", "heap", "in_use", "free", "outside", "py_blocks", *_STRUCTURES]
+    head = ["min", "rss", "heap", "in_use", "free", "outside", "py_blocks", "fds",
+            *_STRUCTURES]
     print("| " + " | ".join(head) + " |")
     print("|" + " ---: |" * len(head))
     next_t = -math.inf
@@ -68,9 +70,10 @@ def _report(case: dict[str, Any], run: dict[str, Any], every_s: float, top: int)
                col("memory.allocator.heap_bytes", i, _MB),
                col("memory.allocator.in_use_bytes", i, _MB),
                col("memory.allocator.free_bytes", i, _MB), outside,
-               col("memory.python_blocks", i),
+               col("memory.python_blocks", i), col("fds", i),
                *(col(f"memory.structures.{name}", i) for name in _STRUCTURES)]
         print("| " + " | ".join(row) + " |")
+    _per_connection(samples)
     print(f"\nRSS slope over the last half of the load: "
           f"{metrics.get('rss_last_half_slope_mb_per_min', math.nan):+.4f} MB/min "
           f"(from {metrics.get('rss_last_half_start_s', math.nan) / 60:.1f} to "
@@ -92,6 +95,24 @@ def _report(case: dict[str, Any], run: dict[str, Any], every_s: float, top: int)
             print(f"  {grower['size_diff_bytes'] / 1024:+9.1f} KiB "
                   f"{grower['count_diff']:+7d} blocks  {frames}")
     print()
+
+
+def _per_connection(samples: dict[str, list[float]]) -> None:
+    """Least-squares RSS against open descriptors over the run: what one more open connection
+    costs, when connections are what moves RSS."""
+    xs, ys = samples.get("fds", []), samples.get("rss_mb", [])
+    if len(xs) < 3 or len(xs) != len(ys):
+        return
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    var_y = sum((y - my) ** 2 for y in ys)
+    r = cov / math.sqrt(var * var_y) if var_y else math.nan
+    print(f"\nRSS against open descriptors: {1024 * slope:+.1f} KiB per descriptor "
+          f"(r = {r:.2f}, {min(xs):.0f} to {max(xs):.0f} descriptors)")
 
 
 if __name__ == "__main__":
