@@ -295,11 +295,13 @@ def test_memory_figures_flatten_the_status_block() -> None:
     status = {"memory": {
         "rss_bytes": 100, "python_blocks": 7,
         "allocator": {"heap_bytes": 50, "free_bytes": 5},
+        "trim": {"interval_s": None, "trims": 2},
         "tracemalloc": None,
         "structures": {"records": {"count": 3, "cap": 10, "ttl_s": 60.0},
                        "watch_queue": {"count": 1, "cap": None, "ttl_s": 0.6}},
     }}
     assert memory_figures(status) == {
         "rss_bytes": 100.0, "python_blocks": 7.0, "allocator.heap_bytes": 50.0,
-        "allocator.free_bytes": 5.0, "structures.records": 3.0, "structures.watch_queue": 1.0}
+        "allocator.free_bytes": 5.0, "trim.trims": 2.0, "structures.records": 3.0,
+        "structures.watch_queue": 1.0}
     assert memory_figures({}) == {}

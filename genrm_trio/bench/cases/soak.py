@@ -646,9 +646,10 @@ def memory_figures(status: Mapping[str, Any]) -> dict[str, float]:
         out[f"gc.pending{index}"] = float(pending)
     for index, runs in enumerate(gc_status.get("collections") or []):
         out[f"gc.collections{index}"] = float(runs)
-    for key, value in (memory.get("allocator") or {}).items():
-        if isinstance(value, int | float):
-            out[f"allocator.{key}"] = float(value)
+    for block in ("allocator", "trim"):
+        for key, value in (memory.get(block) or {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[f"{block}.{key}"] = float(value)
     for key, value in (memory.get("tracemalloc") or {}).items():
         if isinstance(value, int | float) and key != "frames":
             out[f"tracemalloc.{key}"] = float(value)
