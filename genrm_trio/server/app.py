@@ -237,17 +237,21 @@ def _judge_structures(cfg: Config, status: dict[str, Any]) -> dict[str, dict[str
     }
 
 
-def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, Any, list[
+def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, bytes, list[
         tuple[bytes, bytes]]]:
-    """The HTTP answer for one member's outcome: status, JSON-able body, extra headers."""
+    """The HTTP answer for one member's outcome: status, encoded JSON body, extra headers.
+    Encoded here, so the decoded body built for it is gone before the caller awaits the send
+    (thousands of waiters may be released at once, to clients that read slowly)."""
+    encode = wire.JSON_ENCODER.encode
     if isinstance(outcome, Rewarded):
-        return 200, wire.success_body(member, outcome.reward, outcome.defaulted_comparisons), []
+        return 200, encode(wire.success_body(member, outcome.reward,
+                                             outcome.defaulted_comparisons)), []
     if outcome.masked:
-        return 200, wire.masked_body(member, outcome.detail), []
+        return 200, encode(wire.masked_body(member, outcome.detail)), []
     headers = []
     if outcome.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, round(outcome.retry_after_s))).encode()))
-    return outcome.status, wire.error_body(outcome.detail, outcome.kind), headers
+    return outcome.status, encode(wire.error_body(outcome.detail, outcome.kind)), headers
 
 
 class VerifyEndpoint:
@@ -297,7 +301,6 @@ class VerifyEndpoint:
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
-        del raw  # the decoded body is what waits; the bytes need not wait with it
         if self._cfg.num_rollouts_per_prompt <= 1:
             await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
             return "rewarded"
@@ -306,8 +309,8 @@ class VerifyEndpoint:
         if outcome is None:  # the client went away; nobody to answer
             self._disconnects.note()
             return "disconnected"
-        status, body, headers = verify_answer(member, outcome)
-        await _send_json(send, status, body, headers)
+        status, payload, headers = verify_answer(member, outcome)
+        await _send_payload(send, status, payload, headers)
         if isinstance(outcome, Rewarded):
             return "rewarded"
         if outcome.kind == "overloaded":
@@ -422,7 +425,11 @@ async def _until_disconnect(receive: Any) -> None:
 
 async def _send_json(send: Any, status: int, body: Any,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = wire.JSON_ENCODER.encode(body)
+    await _send_payload(send, status, wire.JSON_ENCODER.encode(body), headers)
+
+
+async def _send_payload(send: Any, status: int, payload: bytes,
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({
         "type": "http.response.start",
         "status": status,

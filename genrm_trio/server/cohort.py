@@ -49,7 +49,7 @@ from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import GroupProgress, JudgeRequest
-from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
+from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +116,21 @@ class CohortObserver(Protocol):
 
 
 class _Member:
-    __slots__ = ("digest", "response", "rollout_id", "_answer")
+    """A cohort's slot: the member's body as received (``raw``, the same bytes its request
+    holds), its response digest and rollout id. Nothing decoded is kept while it waits."""
 
-    def __init__(self, digest: str, response: dict[str, Any],
-                 rollout_id: str | None = None) -> None:
+    __slots__ = ("digest", "raw", "rollout_id", "_answer")
+
+    def __init__(self, digest: str, raw: bytes, rollout_id: str | None = None) -> None:
         self.digest = digest
-        self.response = response
+        self.raw = raw
         self.rollout_id = rollout_id  # NeMo Gym's, from an /ng-rollout/<id>/ path
         self._answer: str | None = None
+
+    @property
+    def response(self) -> dict[str, Any]:
+        """The ``response`` object, decoded from ``raw`` (a new dict on each call)."""
+        return member_response(self.raw)
 
     @property
     def answer(self) -> str:
@@ -398,9 +405,9 @@ class CohortRegistry:
             self.counters[_outcome_label(admitted)] += 1
             return admitted
         cohort, duplicate = admitted
-        slot = member.fields.rollout_index or 0
-        # A duplicate holds its own decoded body while it waits: it counts towards
-        # max_active_bytes like a member does.
+        slot = member.rollout_index or 0
+        # A duplicate holds its own body while it waits: it counts towards max_active_bytes
+        # like a member does.
         held = member.size_bytes if duplicate else 0
         self._waiters += 1
         self._duplicate_bytes += held
@@ -478,10 +485,10 @@ class CohortRegistry:
         self._prune(now)
         if self._shutting_down:
             return Failure(503, "shutdown", "the server is shutting down")
-        fields = member.fields
+        fields = member.fields()  # decoded again here; not kept (see VerifyMember)
         prompt_input = fields.responses_create_params.get("input")
         prompt_digest = identity.prompt_digest(prompt_input, fields.principle)
-        group_id = fields.group_id
+        group_id = member.group_id
         attempt = member.attempt
         if group_id is not None:
             if not member.attempt_given and not self._warned_missing_attempt:
@@ -509,7 +516,7 @@ class CohortRegistry:
             key = identity.legacy_key(fields.task_index, fields.prompt_id, prompt_digest, attempt)
             watermark = None
 
-        slot = fields.rollout_index or 0
+        slot = member.rollout_index or 0
         digest = identity.response_digest(fields.response)
 
         record = self._records.get(key)
@@ -631,8 +638,7 @@ class CohortRegistry:
                         cohort.start_watching()
 
     def _add_member(self, cohort: Cohort, slot: int, digest: str, member: VerifyMember) -> None:
-        response = member.fields.response
-        cohort.members[slot] = _Member(digest, response, member.rollout_id)
+        cohort.members[slot] = _Member(digest, member.raw, member.rollout_id)
         cohort.size_bytes += member.size_bytes
         self._active_bytes += member.size_bytes
         cohort.arrival.set()
