@@ -324,6 +324,49 @@ async def test_waiting_members_hold_their_body_as_bytes_not_decoded() -> None:
             assert {k: got[k] for k in sent} == sent
 
 
+def our_frames_of_waiting_handlers() -> list[list[str]]:
+    """For each task of this process waiting in the registry, the names of the genrm_trio
+    coroutine frames it is suspended in, outermost first."""
+    found: list[list[str]] = []
+    tasks = [trio.lowlevel.current_root_task()]
+    while tasks:
+        task = tasks.pop()
+        tasks.extend(t for n in task.child_nurseries for t in n.child_tasks)
+        names: list[str] = []
+        awaited: Any = task.coro
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None and "genrm_trio" in frame.f_code.co_filename:
+                names.append(frame.f_code.co_name)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        if "verify_unless_gone" in names:
+            found.append(names)
+    return found
+
+
+async def test_a_waiting_handler_is_three_frames_deep_then_four_watching() -> None:
+    """Issue 21: each coroutine frame a waiting /verify request is suspended in costs a few
+    hundred bytes per waiter. The ASGI application, the endpoint and the registry's wait; once
+    the cohort is old enough to watch connections, the read of the client's connection."""
+    cfg = Config(num_rollouts_per_prompt=2, port=0)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        payload = verify_bytes(body(0, group="frames"))
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(
+            b"POST /verify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        await wait_for_cohorts(client, "waiters", lambda n: n == 1)
+        assert our_frames_of_waiting_handlers() == [
+            ["application", "__call__", "verify_unless_gone"]]
+        watching = ["application", "__call__", "verify_unless_gone", "_until_disconnect"]
+        with trio.fail_after(20.0):  # the registry's watch timer, DISCONNECT_WATCH_AFTER_S
+            while our_frames_of_waiting_handlers() != [watching]:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        await stream.aclose()
+        await wait_for_cohorts(client, "waiters", lambda n: n == 0)
+
+
 def test_sigterm_answers_200_waiting_members_and_exits_zero(tmp_path: Any) -> None:
     """A real `genrm-trio serve` process, 200 members waiting in incomplete cohorts, SIGTERM."""
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
