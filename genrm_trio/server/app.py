@@ -454,6 +454,43 @@ async def _send_payload(send: Any, status: int, payload: bytes,
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
+class _ShieldedSend:
+    """One request's ASGI ``send``, shielded and bounded (:func:`with_verify_fast_path`).
+
+    Hypercorn closes a ``Connection: close`` socket inside the app's last send(); quart-trio
+    cancels its request nursery as soon as hypercorn reports the stream done, which cancelled
+    that close half-way and left the client hanging. So each send is shielded, so the close
+    always completes, bounded by the grace and by the shutdown deadline: one for all sends, not
+    a fresh grace for each. The response's start is held back and sent with its first body
+    message, under the same one scope. An object of its own rather than a closure: it lives as
+    long as its request, and thousands of requests may wait at once (issue 21)."""
+
+    __slots__ = ("_send", "_shutdown", "_grace_s", "_start")
+
+    def __init__(self, send: Any, shutdown: ShutdownDeadline, grace_s: float) -> None:
+        self._send = send
+        self._shutdown = shutdown
+        self._grace_s = grace_s
+        self._start: Any = None
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self._start = message
+            return
+        with self._shutdown.scope(bound_s=self._grace_s, shield=True):
+            try:
+                if self._start is not None:
+                    first, self._start = self._start, None
+                    await self._send(first)
+                await self._send(message)
+            except trio.BusyResourceError:
+                # Hypercorn shuts the socket's sending side down (its connection close, when
+                # the client hangs up) without its send lock, so the last send of an answer
+                # can meet it: the connection is going away, nobody is left to answer. Seen
+                # with 413s to clients that close at once (bench soak).
+                pass
+
+
 def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
                           shutdown: ShutdownDeadline, *, auth: BearerAuth | None = None,
                           metrics: ServerMetrics | None = None) -> Any:
@@ -470,31 +507,7 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
             await app(scope, receive, send)
             return
 
-        start: Any = None
-
-        async def shielded_send(message: Any) -> None:
-            # Hypercorn closes a `Connection: close` socket inside the app's last send();
-            # quart-trio cancels its request nursery as soon as hypercorn reports the stream
-            # done, which cancelled that close half-way and left the client hanging. Shield the
-            # send so the close always completes, bounded by the grace and by the shutdown
-            # deadline: one for all sends, not a fresh grace for each. The response's start is
-            # held back and sent with its first body message, under the same one scope.
-            nonlocal start
-            if message["type"] == "http.response.start":
-                start = message
-                return
-            with shutdown.scope(bound_s=grace_s, shield=True):
-                try:
-                    if start is not None:
-                        first, start = start, None
-                        await send(first)
-                    await send(message)
-                except trio.BusyResourceError:
-                    # Hypercorn shuts the socket's sending side down (its connection close,
-                    # when the client hangs up) without its send lock, so the last send of an
-                    # answer can meet it: the connection is going away, nobody is left to
-                    # answer. Seen with 413s to clients that close at once (bench soak).
-                    pass
+        shielded_send = _ShieldedSend(send, shutdown, grace_s)
 
         routed = wire.strip_rollout_prefix(scope["path"])
         if routed is None:
