@@ -28,11 +28,10 @@ from functools import partial
 import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from genrm_trio.config import Config, ResolvedConfig, format_bytes
 from genrm_trio.errors import ConfigError
-from genrm_trio.server import memory_limit
+from genrm_trio.server import connections, memory_limit
 from genrm_trio.server.app import create_app, with_verify_fast_path
 from genrm_trio.server.auth import OPEN_PATHS, BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
@@ -152,7 +151,7 @@ async def _serve_in(
         begin_shutdown()
 
     async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
-        await hypercorn_serve(
+        await connections.serve(  # Hypercorn's serve, with leaner connections
             with_verify_fast_path(app, cfg, registry, drain, auth=auth, metrics=metrics),
             _hypercorn_config(cfg),
             shutdown_trigger=shutdown_trigger,
