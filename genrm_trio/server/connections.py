@@ -175,6 +175,11 @@ class LeanTCPServer(TCPServer):
             pass
         finally:
             await self._close()
+            # The connection's objects refer to each other (its protocol holds our
+            # protocol_send, its task group our idle timeout): dropping our side lets
+            # reference counting free them now instead of a full collection later.
+            self.__dict__.pop("protocol", None)
+            self.__dict__.pop("_task_group", None)
 
     async def _read_data(self) -> None:
         timeout = self.config.read_timeout or math.inf
