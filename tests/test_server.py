@@ -279,7 +279,8 @@ def decoded_holders(text: str) -> list[object]:
             continue
         for value in values:
             if (isinstance(value, str) and value == text) or (
-                    isinstance(value, dict) and text in value.values()):
+                    isinstance(value, dict) and any(
+                        isinstance(v, str) and v == text for v in value.values())):
                 found.append(obj)
                 break
     return found
