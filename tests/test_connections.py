@@ -195,7 +195,7 @@ async def test_a_waiting_connection_holds_no_received_bytes_and_a_lean_queue() -
                                     and f.f_locals["scope"]["type"] == "http")
             assert len(apps) == 1
             names = [f.f_code.co_name for f in apps[0]]
-            assert names[:2] == ["_handle", "__call__"]  # no wrapper frame between
+            assert names[:2] == ["_run_app", "__call__"]  # no wrapper frame between
             assert [n for n in names if n == "get"] == ["get"]
             get = next(f for f in apps[0] if f.f_code.co_name == "get")
             assert isinstance(get.f_locals["self"], AppQueue)

@@ -26,7 +26,7 @@ connections): about 7 KB less per connection, RSS 318 -> 245 MB.
 Everything else is Hypercorn's own code, called as Hypercorn calls it: HTTP/1.1 and h2c through
 its protocol classes, ASGI semantics, keep-alive and its idle timeout, the read timeout
 (``read_timeout``: a read that waits longer ends the connection), lifespan, graceful shutdown
-(:func:`serve` follows ``hypercorn.trio.run.worker_serve`` line for line). A config with TLS or
+(:func:`serve` runs them in the order Hypercorn's own ``serve`` does). A config with TLS or
 QUIC binds is served by Hypercorn's own ``serve``: the lean read loop reads a plain socket.
 """
 
@@ -50,7 +50,7 @@ from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIReceiveEvent, ASGISendEvent, ConnectionState
-from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr
+from hypercorn.utils import parse_socket_addr, repr_socket_addr
 
 logger = logging.getLogger(__name__)
 
@@ -110,21 +110,20 @@ class AppQueue:
         return message
 
 
-async def _handle(app: Any, config: HypercornConfig, scope: Any,
-                  receive: Callable[[], Awaitable[ASGIReceiveEvent]],
-                  send: Callable[[ASGISendEvent | None], Awaitable[None]]) -> None:
-    """``hypercorn.trio.task_group._handle`` for an ASGI app, called directly."""
+async def _run_app(app: Any, config: HypercornConfig, scope: Any,
+                   receive: Callable[[], Awaitable[ASGIReceiveEvent]],
+                   send: Callable[[ASGISendEvent | None], Awaitable[None]]) -> None:
+    """One request's ASGI app, run in the connection's task group. Cancellation goes through;
+    an error the app raises is logged as Hypercorn logs it ("Error in ASGI Framework") and the
+    request is ended either way (``send(None)`` tells the protocol the app is done)."""
     try:
         await app(scope, receive, send)
     except trio.Cancelled:
         raise
-    except BaseExceptionGroup as error:
-        _, other_errors = error.split(trio.Cancelled)
-        if other_errors is not None:
-            await config.log.exception("Error in ASGI Framework")
-            await send(None)
-        else:
-            raise
+    except BaseExceptionGroup as group:
+        if group.split(trio.Cancelled)[1] is None:
+            raise  # nothing but cancellation inside
+        await config.log.exception("Error in ASGI Framework")
     except Exception:
         await config.log.exception("Error in ASGI Framework")
     finally:
@@ -139,7 +138,7 @@ class _LeanTaskGroup(TaskGroup):
                         ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
         queue = AppQueue(config.max_app_queue_size)
         assert self._nursery is not None
-        self._nursery.start_soon(_handle, app, config, scope, queue.get, send)
+        self._nursery.start_soon(_run_app, app, config, scope, queue.get, send)
         return queue.put
 
 
@@ -206,71 +205,52 @@ class LeanTCPServer(TCPServer):
 async def serve(app: Any, config: HypercornConfig, *,
                 shutdown_trigger: Callable[..., Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """``hypercorn.trio.serve(app, config, ...)`` for an ASGI ``app``, serving each plain-TCP
-    connection with :class:`LeanTCPServer`. Same blocking, cancellation and shutdown behaviour:
-    reports the bound URLs through ``task_status``; once ``shutdown_trigger`` returns, stops
-    accepting and gives open connections ``config.graceful_timeout`` to finish. Hypercorn's own
-    ``serve`` when the installed Hypercorn is not a supported one, or with TLS or QUIC binds."""
+    """Serve ``app`` (ASGI) as ``hypercorn.trio.serve(app, config, ...)`` does, each plain-TCP
+    connection by a :class:`LeanTCPServer`: the ASGI lifespan runs around it (startup before the
+    first accept, shutdown after the last connection); the bound URLs are reported through
+    ``task_status``; once ``shutdown_trigger`` returns, accepting stops and open connections get
+    ``config.graceful_timeout`` to finish before they are cancelled. Configurations this module
+    does not cover (another Hypercorn, TLS, QUIC, several workers, ``max_requests``) are served
+    by Hypercorn's own ``serve``."""
     if (not lean_connections_supported() or config.ssl_enabled or config.quic_bind
-            or config.workers != 1):
+            or config.workers != 1 or config.max_requests is not None):
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
                               task_status=task_status, mode="asgi")
         return
-    # hypercorn.trio.run.worker_serve from here on, with LeanTCPServer for TCPServer.
-    from hypercorn.app_wrappers import ASGIWrapper
+    from hypercorn.app_wrappers import ASGIWrapper  # what Hypercorn's lifespan expects
 
     config.set_statsd_logger_class(StatsdLogger)
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(ASGIWrapper(app), config, lifespan_state)
-    max_requests = None
-    if config.max_requests is not None:
-        from random import randint
+    context = WorkerContext(None)
+    sockets = config.create_sockets()
+    listeners = []
+    urls = []
+    for sock in sockets.insecure_sockets:
+        sock.listen(config.backlog)
+        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        urls.append("http://" + repr_socket_addr(sock.family, sock.getsockname()))
+    connection = partial(LeanTCPServer, app, config, context,
+                         ConnectionState(lifespan_state.copy()))
 
-        max_requests = config.max_requests + randint(0, config.max_requests_jitter)
-    context = WorkerContext(max_requests)
-
-    async with trio.open_nursery() as lifespan_nursery:
-        await lifespan_nursery.start(lifespan.handle_lifespan)
+    async with trio.open_nursery() as outer:  # the lifespan task lives here
+        await outer.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
-
-        async with trio.open_nursery() as server_nursery:
-            sockets = config.create_sockets()
-            for sock in sockets.insecure_sockets:
-                sock.listen(config.backlog)
-            listeners = []
-            binds = []
-            for sock in sockets.insecure_sockets:
-                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-                bind = repr_socket_addr(sock.family, sock.getsockname())
-                binds.append(f"http://{bind}")
-                await config.log.info(f"Running on http://{bind} (CTRL + C to quit)")
-
-            task_status.started(binds)
-            try:
-                async with trio.open_nursery(strict_exception_groups=True) as nursery:
-                    if shutdown_trigger is not None:
-                        nursery.start_soon(raise_shutdown, shutdown_trigger)
-                    nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(
-                        partial(
-                            trio.serve_listeners,
-                            partial(LeanTCPServer, app, config, context,
-                                    ConnectionState(lifespan_state.copy())),
-                            listeners,
-                            handler_nursery=server_nursery,
-                        ),
-                    )
+        async with trio.open_nursery() as open_connections:
+            for url in urls:
+                await config.log.info(f"Running on {url} (CTRL + C to quit)")
+            async with trio.open_nursery() as accepting:
+                accepting.start_soon(partial(trio.serve_listeners, connection, listeners,
+                                             handler_nursery=open_connections))
+                task_status.started(urls)
+                if shutdown_trigger is None:
                     await trio.sleep_forever()
-            except BaseExceptionGroup as error:
-                _, other_errors = error.split((ShutdownError, KeyboardInterrupt))
-                if other_errors is not None:
-                    raise other_errors from None
-            finally:
-                await context.terminated.set()
-                server_nursery.cancel_scope.deadline = (
-                    trio.current_time() + config.graceful_timeout)
-
+                await shutdown_trigger()
+                accepting.cancel_scope.cancel()  # no new connections from here on
+            await context.terminated.set()  # tells keep-alive connections to close
+            open_connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
         await lifespan.wait_for_shutdown()
-        lifespan_nursery.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+
 
 __all__ = ["AppQueue", "LeanTCPServer", "lean_connections_supported", "serve"]
