@@ -1,8 +1,11 @@
 """Wire formats: msgspec structs and the shared encoders/decoders for every HTTP payload.
 
-Pure core: no I/O, no trio. Inbound ``/verify`` bodies are kept as the dict that was received
-(unknown keys must be echoed back unchanged); only the keys the server interprets are validated,
-through :class:`VerifyFields`, so msgspec's error names the JSON path (``$.response``).
+Pure core: no I/O, no trio. Inbound ``/verify`` bodies are echoed back as they were received
+(unknown keys unchanged); only the keys the server interprets are validated, through
+:class:`VerifyFields`, so msgspec's error names the JSON path (``$.response``). A validated member
+(:class:`VerifyMember`) keeps its body as the bytes received, not decoded: it may wait for its
+cohort for the whole collection deadline, and the bytes are a single object of about half the
+size of the dicts and strings they decode into (issue 21).
 """
 
 from __future__ import annotations
@@ -110,19 +113,63 @@ class VerifyFields(msgspec.Struct, kw_only=True):
     instance_config: dict[str, Any] | None = None
 
 
-class VerifyMember(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated ``/verify`` request: the body as received plus its interpreted fields.
-    ``size_bytes`` is what the decoded body holds in memory (:func:`decoded_size`), the weight
-    admission counts against ``max_active_bytes``."""
+class MemberFields(msgspec.Struct, kw_only=True):
+    """What admission reads from a validated ``/verify`` body besides its coordinates: decoded
+    again from the member's bytes when it is admitted (:meth:`VerifyMember.fields`), and not
+    kept. None of these keys has an alias."""
 
-    body: dict[str, Any]
-    fields: VerifyFields
+    responses_create_params: dict[str, Any]
+    response: dict[str, Any]
+    task_index: int | None = msgspec.field(default=None, name="_ng_task_index")
+    prompt_id: str | None = None
+    principle: str | None = None
+
+
+class _ResponseOnly(msgspec.Struct):
+    response: dict[str, Any]
+
+
+_MEMBER_FIELDS_DECODER = msgspec.json.Decoder(MemberFields)
+_RESPONSE_DECODER = msgspec.json.Decoder(_ResponseOnly)
+
+
+class VerifyMember(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A validated ``/verify`` request as it waits: the body as received (``raw``, its bytes)
+    and its coordinates. The body is decoded again where it is needed: for admission
+    (:meth:`fields`), for the answer (:meth:`body`) and for the judge (:meth:`response`), so a
+    waiting member holds one bytes object, not the tree of Python objects it decodes into.
+    ``raw`` passed :func:`decode_verify`, so decoding it again cannot fail. ``size_bytes`` is
+    what the decoded body holds in memory (:func:`decoded_size`), the weight admission counts
+    against ``max_active_bytes``: the member waits as its bytes, but its cohort decodes it to
+    judge and to answer, and that is the peak a flood must be refused before."""
+
+    raw: bytes
+    group_id: str | None
     attempt: int
     attempt_given: bool
+    rollout_index: int | None
     size_bytes: int
     #: NeMo Gym's rollout id, from the ``/ng-rollout/<rollout_id>/verify`` path (None without
     #: the prefix): kept with the member for its cohort's disposition line and traces.
     rollout_id: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The body as received, decoded (a new dict on each call: the caller owns it)."""
+        body: dict[str, Any] = JSON_DECODER.decode(self.raw)
+        return body
+
+    def fields(self) -> MemberFields:
+        """The interpreted keys admission needs, decoded (a new object on each call)."""
+        return _MEMBER_FIELDS_DECODER.decode(self.raw)
+
+    def response(self) -> dict[str, Any]:
+        """The ``response`` object, decoded (a new dict on each call)."""
+        return member_response(self.raw)
+
+
+def member_response(raw: bytes) -> dict[str, Any]:
+    """The ``response`` object of a validated ``/verify`` body, decoded."""
+    return _RESPONSE_DECODER.decode(raw).response
 
 
 class CompareRequest(msgspec.Struct, kw_only=True):
@@ -289,7 +336,7 @@ def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None) 
 
     Raises :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
     :class:`BadCoordinates` (422) for a missing or out-of-range rollout index or a negative
-    attempt. Nothing is mutated; the returned ``body`` is the decoded dict as received.
+    attempt. The decoded body is not kept: the member holds ``raw`` (see :class:`VerifyMember`).
     """
     body = decode_object(raw)
     duplicated = _duplicated_key(raw)
@@ -332,10 +379,11 @@ def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None) 
                 f"_ng_rollout_index must be in [0, {num_rollouts}), got {index}"
             )
     return VerifyMember(
-        body=body,
-        fields=fields,
+        raw=raw,
+        group_id=fields.group_id,
         attempt=attempt or 0,
         attempt_given=attempt is not None,
+        rollout_index=fields.rollout_index,
         size_bytes=decoded_size(body),
         rollout_id=rollout_id,
     )
@@ -389,11 +437,10 @@ def bound_text(text: str, limit: int = MAX_FAILURE_TEXT) -> str:
 
 
 def identity_fields(member: VerifyMember) -> dict[str, Any]:
-    f = member.fields
     return {
-        "_ng_group_id": f.group_id,
+        "_ng_group_id": member.group_id,
         "_ng_group_attempt": member.attempt,
-        "_ng_rollout_index": f.rollout_index,
+        "_ng_rollout_index": member.rollout_index,
     }
 
 
@@ -404,7 +451,7 @@ def success_body(member: VerifyMember, reward: float,
     unknown: a record reloaded from the journal)."""
     if not math.isfinite(reward):  # guarded by the registry; never publish a non-finite reward
         raise ValueError("non-finite reward")
-    out = {k: v for k, v in member.body.items() if k not in IDENTITY_ALIASES}
+    out = {k: v for k, v in member.body().items() if k not in IDENTITY_ALIASES}
     out.update(identity_fields(member))
     out["reward"] = reward
     out["mask_sample"] = False
@@ -416,10 +463,10 @@ def success_body(member: VerifyMember, reward: float,
 
 def masked_body(member: VerifyMember, reason: str) -> dict[str, Any]:
     """The masked judge-failure 200 (contract 3.3): the body as received plus the mask keys.
-    The received dict is not mutated; ``instance_config`` is copied."""
+    The body is decoded afresh for it; ``instance_config`` is copied."""
     text = bound_text(reason)
-    out = dict(member.body)
-    instance_config = member.body.get("instance_config")
+    out = member.body()
+    instance_config = out.get("instance_config")
     merged = dict(instance_config) if isinstance(instance_config, dict) else {}
     merged["mask_sample"] = True
     out["reward"] = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -9,13 +10,14 @@ import subprocess
 import sys
 from typing import Any
 
+import h11
 import httpx2
 import pytest
 import trio
 
 from genrm_trio.config import Config, JudgeConfig, format_bytes
 from tests.lifecycle_helpers import body
-from tests.server_helpers import raw_http, running_server
+from tests.server_helpers import raw_http, read_answer, running_server
 
 
 def verify_bytes(obj: Any) -> bytes:
@@ -262,6 +264,108 @@ async def test_client_disconnect_releases_only_its_waiter() -> None:
         assert (await client.get("/status")).json()["cohorts"]["active_cohorts"] == 1
         first, second = await post_all(client, [body(0, group="gone"), body(1, group="gone")])
         assert first.status_code == second.status_code == 200  # identical retry re-attaches
+
+
+def decoded_holders(text: str) -> list[object]:
+    """Every garbage-collected container that holds the string ``text``, directly or in a dict
+    it holds (CPython leaves a dict of strings untracked, so it is not found on its own)."""
+    found: list[object] = []
+    for obj in gc.get_objects():
+        if isinstance(obj, dict):
+            values: Any = obj.values()
+        elif isinstance(obj, (list, tuple)):
+            values = obj
+        else:
+            continue
+        for value in values:
+            if (isinstance(value, str) and value == text) or (
+                    isinstance(value, dict) and any(
+                        isinstance(v, str) and v == text for v in value.values())):
+                found.append(obj)
+                break
+    return found
+
+
+async def test_waiting_members_hold_their_body_as_bytes_not_decoded() -> None:
+    """Issue 21: a member waits holding the bytes it was sent (decoded again for its answer),
+    not the decoded body, which takes about twice the memory in dozens of objects. While two
+    members wait, no decoded copy of their answers exists anywhere in the process; their
+    answers still echo what they sent."""
+    cfg = Config(num_rollouts_per_prompt=3, port=0)
+
+    def text(slot: int) -> str:  # built afresh on each call: the test holds no copy
+        return f"bytes-only answer {slot}: " + "shorter wavelengths scatter more. " * 8
+
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        waiting = []
+        for s in (0, 1):
+            payload = verify_bytes(body(s, group="bytes", text=text(s)))
+            stream = await trio.open_tcp_stream(host, int(port))
+            conn = h11.Connection(h11.CLIENT)
+            headers = [("Host", host), ("Content-Length", str(len(payload))),
+                       ("Content-Type", "application/json")]
+            await stream.send_all(conn.send(h11.Request(method="POST", target="/verify",
+                                                        headers=headers))
+                                  + conn.send(h11.Data(data=payload))
+                                  + conn.send(h11.EndOfMessage()))
+            waiting.append((stream, conn))
+            del payload
+        await wait_for_cohorts(client, "waiters", lambda n: n == 2)
+        gc.collect()
+        assert [decoded_holders(text(s)) for s in (0, 1)] == [[], []]
+        last = await client.post("/verify", json=body(2, group="bytes", text=text(2)))
+        assert last.status_code == 200
+        for s, (stream, conn) in enumerate(waiting):
+            async with stream:
+                answer = await read_answer(stream, conn)
+            assert answer is not None and answer[0] == 200
+            sent = body(s, group="bytes", text=text(s))
+            got = json.loads(answer[2])
+            assert {k: got[k] for k in sent} == sent
+
+
+def our_frames_of_waiting_handlers() -> list[list[str]]:
+    """For each task of this process waiting in the registry, the names of the coroutine frames
+    of the handler and the registry (server/app.py, server/cohort.py) it is suspended in,
+    outermost first."""
+    found: list[list[str]] = []
+    tasks = [trio.lowlevel.current_root_task()]
+    while tasks:
+        task = tasks.pop()
+        tasks.extend(t for n in task.child_nurseries for t in n.child_tasks)
+        names: list[str] = []
+        awaited: Any = task.coro
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None and frame.f_code.co_filename.endswith(
+                    ("genrm_trio/server/app.py", "genrm_trio/server/cohort.py")):
+                names.append(frame.f_code.co_name)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        if "verify_unless_gone" in names:
+            found.append(names)
+    return found
+
+
+async def test_a_waiting_handler_is_three_frames_deep_then_four_watching() -> None:
+    """Issue 21: each coroutine frame a waiting /verify request is suspended in costs a few
+    hundred bytes per waiter. The ASGI application, the endpoint and the registry's wait; once
+    the cohort is old enough to watch connections, the read of the client's connection."""
+    cfg = Config(num_rollouts_per_prompt=2, port=0)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url) as client:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        payload = verify_bytes(body(0, group="frames"))
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            await stream.send_all(
+                b"POST /verify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            await wait_for_cohorts(client, "waiters", lambda n: n == 1)
+            waiting = ["application", "__call__", "verify_unless_gone"]
+            assert our_frames_of_waiting_handlers() == [waiting]
+            with trio.fail_after(20.0):  # the registry's watch timer, DISCONNECT_WATCH_AFTER_S
+                while our_frames_of_waiting_handlers() != [[*waiting, "_until_disconnect"]]:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+        await wait_for_cohorts(client, "waiters", lambda n: n == 0)
 
 
 def test_sigterm_answers_200_waiting_members_and_exits_zero(tmp_path: Any) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import trio
@@ -237,17 +238,21 @@ def _judge_structures(cfg: Config, status: dict[str, Any]) -> dict[str, dict[str
     }
 
 
-def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, Any, list[
+def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, bytes, list[
         tuple[bytes, bytes]]]:
-    """The HTTP answer for one member's outcome: status, JSON-able body, extra headers."""
+    """The HTTP answer for one member's outcome: status, encoded JSON body, extra headers.
+    Encoded here, so the decoded body built for it is gone before the caller awaits the send
+    (thousands of waiters may be released at once, to clients that read slowly)."""
+    encode = wire.JSON_ENCODER.encode
     if isinstance(outcome, Rewarded):
-        return 200, wire.success_body(member, outcome.reward, outcome.defaulted_comparisons), []
+        return 200, encode(wire.success_body(member, outcome.reward,
+                                             outcome.defaulted_comparisons)), []
     if outcome.masked:
-        return 200, wire.masked_body(member, outcome.detail), []
+        return 200, encode(wire.masked_body(member, outcome.detail)), []
     headers = []
     if outcome.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, round(outcome.retry_after_s))).encode()))
-    return outcome.status, wire.error_body(outcome.detail, outcome.kind), headers
+    return outcome.status, encode(wire.error_body(outcome.detail, outcome.kind)), headers
 
 
 class VerifyEndpoint:
@@ -276,13 +281,27 @@ class VerifyEndpoint:
 
     async def __call__(self, scope: Any, receive: Any, send: Any,
                        rollout_id: str | None = None) -> None:
+        """Read, decode, register, wait, answer; the outcome's label goes to the metrics. While
+        the member waits this is one coroutine frame above the registry's (thousands of members
+        may wait at once: each frame costs a few hundred bytes per waiter, issue 21)."""
         started = trio.current_time()
-        label = await self._answer(scope, receive, send, rollout_id)
+        member = await self._read_member(scope, receive, send, rollout_id)
+        if isinstance(member, str):  # answered already, or the client left
+            label = member
+        elif self._cfg.num_rollouts_per_prompt <= 1:
+            await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
+            label = "rewarded"
+        else:
+            outcome = await self._registry.verify_unless_gone(
+                member, partial(_until_disconnect, receive))
+            label = await self._send_outcome(send, member, outcome)
         if self._metrics is not None:
             self._metrics.observe_verify(label, trio.current_time() - started)
 
-    async def _answer(self, scope: Any, receive: Any, send: Any, rollout_id: str | None) -> str:
-        """Read, decode, register, wait, answer. Returns the outcome label for metrics."""
+    async def _read_member(self, scope: Any, receive: Any, send: Any,
+                           rollout_id: str | None) -> wire.VerifyMember | str:
+        """The request's validated member, or the label of what happened instead once it has
+        been answered (or the client left)."""
         raw = await self._read_body(scope, receive, send)
         if isinstance(raw, str):
             return raw
@@ -293,21 +312,20 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            member = wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id)
+            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id)
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
-        del raw  # the decoded body is what waits; the bytes need not wait with it
-        if self._cfg.num_rollouts_per_prompt <= 1:
-            await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
-            return "rewarded"
-        outcome = await self._registry.verify_unless_gone(
-            member, lambda: _until_disconnect(receive))
-        if outcome is None:  # the client went away; nobody to answer
+
+    async def _send_outcome(self, send: Any, member: wire.VerifyMember,
+                            outcome: Outcome | None) -> str:
+        """Answer a waiter's outcome (None: the client went away, nobody to answer); returns
+        its label."""
+        if outcome is None:
             self._disconnects.note()
             return "disconnected"
-        status, body, headers = verify_answer(member, outcome)
-        await _send_json(send, status, body, headers)
+        status, payload, headers = verify_answer(member, outcome)
+        await _send_payload(send, status, payload, headers)
         if isinstance(outcome, Rewarded):
             return "rewarded"
         if outcome.kind == "overloaded":
@@ -422,7 +440,11 @@ async def _until_disconnect(receive: Any) -> None:
 
 async def _send_json(send: Any, status: int, body: Any,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = wire.JSON_ENCODER.encode(body)
+    await _send_payload(send, status, wire.JSON_ENCODER.encode(body), headers)
+
+
+async def _send_payload(send: Any, status: int, payload: bytes,
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({
         "type": "http.response.start",
         "status": status,
@@ -430,6 +452,43 @@ async def _send_json(send: Any, status: int, body: Any,
                     (b"content-length", str(len(payload)).encode()), *(headers or [])],
     })
     await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+class _ShieldedSend:
+    """One request's ASGI ``send``, shielded and bounded (:func:`with_verify_fast_path`).
+
+    Hypercorn closes a ``Connection: close`` socket inside the app's last send(); quart-trio
+    cancels its request nursery as soon as hypercorn reports the stream done, which cancelled
+    that close half-way and left the client hanging. So each send is shielded, so the close
+    always completes, bounded by the grace and by the shutdown deadline: one for all sends, not
+    a fresh grace for each. The response's start is held back and sent with its first body
+    message, under the same one scope. An object of its own rather than a closure: it lives as
+    long as its request, and thousands of requests may wait at once (issue 21)."""
+
+    __slots__ = ("_send", "_shutdown", "_grace_s", "_start")
+
+    def __init__(self, send: Any, shutdown: ShutdownDeadline, grace_s: float) -> None:
+        self._send = send
+        self._shutdown = shutdown
+        self._grace_s = grace_s
+        self._start: Any = None
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self._start = message
+            return
+        with self._shutdown.scope(bound_s=self._grace_s, shield=True):
+            try:
+                if self._start is not None:
+                    first, self._start = self._start, None
+                    await self._send(first)
+                await self._send(message)
+            except trio.BusyResourceError:
+                # Hypercorn shuts the socket's sending side down (its connection close, when
+                # the client hangs up) without its send lock, so the last send of an answer
+                # can meet it: the connection is going away, nobody is left to answer. Seen
+                # with 413s to clients that close at once (bench soak).
+                pass
 
 
 def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
@@ -448,31 +507,7 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
             await app(scope, receive, send)
             return
 
-        start: Any = None
-
-        async def shielded_send(message: Any) -> None:
-            # Hypercorn closes a `Connection: close` socket inside the app's last send();
-            # quart-trio cancels its request nursery as soon as hypercorn reports the stream
-            # done, which cancelled that close half-way and left the client hanging. Shield the
-            # send so the close always completes, bounded by the grace and by the shutdown
-            # deadline: one for all sends, not a fresh grace for each. The response's start is
-            # held back and sent with its first body message, under the same one scope.
-            nonlocal start
-            if message["type"] == "http.response.start":
-                start = message
-                return
-            with shutdown.scope(bound_s=grace_s, shield=True):
-                try:
-                    if start is not None:
-                        first, start = start, None
-                        await send(first)
-                    await send(message)
-                except trio.BusyResourceError:
-                    # Hypercorn shuts the socket's sending side down (its connection close,
-                    # when the client hangs up) without its send lock, so the last send of an
-                    # answer can meet it: the connection is going away, nobody is left to
-                    # answer. Seen with 413s to clients that close at once (bench soak).
-                    pass
+        shielded_send = _ShieldedSend(send, shutdown, grace_s)
 
         routed = wire.strip_rollout_prefix(scope["path"])
         if routed is None:

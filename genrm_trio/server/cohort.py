@@ -49,7 +49,7 @@ from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import GroupProgress, JudgeRequest
-from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text
+from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +116,21 @@ class CohortObserver(Protocol):
 
 
 class _Member:
-    __slots__ = ("digest", "response", "rollout_id", "_answer")
+    """A cohort's slot: the member's body as received (``raw``, the same bytes its request
+    holds), its response digest and rollout id. Nothing decoded is kept while it waits."""
 
-    def __init__(self, digest: str, response: dict[str, Any],
-                 rollout_id: str | None = None) -> None:
+    __slots__ = ("digest", "raw", "rollout_id", "_answer")
+
+    def __init__(self, digest: str, raw: bytes, rollout_id: str | None = None) -> None:
         self.digest = digest
-        self.response = response
+        self.raw = raw
         self.rollout_id = rollout_id  # NeMo Gym's, from an /ng-rollout/<id>/ path
         self._answer: str | None = None
+
+    @property
+    def response(self) -> dict[str, Any]:
+        """The ``response`` object, decoded from ``raw`` (a new dict on each call)."""
+        return member_response(self.raw)
 
     @property
     def answer(self) -> str:
@@ -247,25 +254,6 @@ class _Watermark:
         self.finished = finished
 
 
-async def _resolved_before_gone(cohort: Cohort,
-                                client_gone: Callable[[], Awaitable[object]]) -> bool:
-    """Wait until ``cohort`` resolves (True) or, once it watches connections, until
-    ``client_gone()`` returns (False). A cohort that resolves soon (the common case under load,
-    when the judge is fast and this server's CPU is what counts) wakes its waiters by one
-    event, the cheapest wake there is; waiters of older cohorts watch their connections and are
-    woken by a cancellation of their scope (which costs trio several times more)."""
-    await cohort.wake.wait()  # resolved, or the watch timer found it old enough
-    if cohort.done.is_set():
-        return True
-    with trio.CancelScope() as wake:  # Cohort.release() cancels it
-        cohort.wakers.add(wake)
-        try:
-            await client_gone()
-        finally:
-            cohort.wakers.discard(wake)
-    return wake.cancelled_caught
-
-
 class CohortRegistry:
     """Owns every cohort of the process: admission, fencing, replay, retention, shutdown.
 
@@ -373,12 +361,12 @@ class CohortRegistry:
         stays and the cohort goes on. Returns the member's reward or an explicit failure; never
         raises for a documented condition.
         """
-        outcome = await self._verify(member, None)
+        outcome = await self.verify_unless_gone(member, None)
         assert outcome is not None  # only a client_gone wait ends without an outcome
         return outcome
 
     async def verify_unless_gone(
-        self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]],
+        self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]] | None,
     ) -> Outcome | None:
         """:meth:`verify` for an HTTP handler: while the member waits, ``client_gone()`` runs in
         the handler's own task (it reads the connection until the client hangs up) and the
@@ -387,28 +375,41 @@ class CohortRegistry:
         No task is started per waiter. ``client_gone`` runs only once the registry's watch
         timer finds the cohort :data:`DISCONNECT_WATCH_AFTER_S` old (at once for a member that
         joins it later), so a client that hangs up sooner is noticed then; waiters of a cohort
-        that resolves sooner wake on its event alone."""
-        return await self._verify(member, client_gone)
+        that resolves sooner wake on its event alone. Without ``client_gone`` (None) it waits
+        for the outcome alone.
 
-    async def _verify(
-        self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]] | None,
-    ) -> Outcome | None:
+        One coroutine frame for the whole wait (no helpers awaited in between): with thousands
+        of members waiting, each frame costs a few hundred bytes per waiter (issue 21)."""
         admitted = self._admit(member)
         if not isinstance(admitted, tuple):
             self.counters[_outcome_label(admitted)] += 1
             return admitted
         cohort, duplicate = admitted
-        slot = member.fields.rollout_index or 0
-        # A duplicate holds its own decoded body while it waits: it counts towards
-        # max_active_bytes like a member does.
+        slot = member.rollout_index or 0
+        # A duplicate holds its own body while it waits: it counts towards max_active_bytes
+        # like a member does.
         held = member.size_bytes if duplicate else 0
         self._waiters += 1
         self._duplicate_bytes += held
         try:
             if client_gone is None:
                 await cohort.done.wait()
-            elif not await _resolved_before_gone(cohort, client_gone):
-                return None  # the client went away first
+            else:
+                # A cohort that resolves soon (the common case under load, when the judge is
+                # fast and this server's CPU is what counts) wakes its waiters by this one
+                # event, the cheapest wake there is. Once the watch timer finds the cohort old
+                # enough, its waiters watch their connections, woken by a cancellation of their
+                # own scope (which costs trio several times more).
+                await cohort.wake.wait()
+                if not cohort.done.is_set():
+                    with trio.CancelScope() as wake:  # Cohort.release() cancels it
+                        cohort.wakers.add(wake)
+                        try:
+                            await client_gone()
+                        finally:
+                            cohort.wakers.discard(wake)
+                    if not wake.cancelled_caught:
+                        return None  # the client went away first
         finally:
             self._waiters -= 1
             self._duplicate_bytes -= held
@@ -478,10 +479,10 @@ class CohortRegistry:
         self._prune(now)
         if self._shutting_down:
             return Failure(503, "shutdown", "the server is shutting down")
-        fields = member.fields
+        fields = member.fields()  # decoded again here; not kept (see VerifyMember)
         prompt_input = fields.responses_create_params.get("input")
         prompt_digest = identity.prompt_digest(prompt_input, fields.principle)
-        group_id = fields.group_id
+        group_id = member.group_id
         attempt = member.attempt
         if group_id is not None:
             if not member.attempt_given and not self._warned_missing_attempt:
@@ -509,7 +510,7 @@ class CohortRegistry:
             key = identity.legacy_key(fields.task_index, fields.prompt_id, prompt_digest, attempt)
             watermark = None
 
-        slot = fields.rollout_index or 0
+        slot = member.rollout_index or 0
         digest = identity.response_digest(fields.response)
 
         record = self._records.get(key)
@@ -631,8 +632,7 @@ class CohortRegistry:
                         cohort.start_watching()
 
     def _add_member(self, cohort: Cohort, slot: int, digest: str, member: VerifyMember) -> None:
-        response = member.fields.response
-        cohort.members[slot] = _Member(digest, response, member.rollout_id)
+        cohort.members[slot] = _Member(digest, member.raw, member.rollout_id)
         cohort.size_bytes += member.size_bytes
         self._active_bytes += member.size_bytes
         cohort.arrival.set()
