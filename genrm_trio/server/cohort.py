@@ -760,8 +760,7 @@ class CohortRegistry:
                 or len(cohort.members) < min_members_present(cfg)):
             return False
         present = tuple(sorted(cohort.members))
-        plan = [(present[a], present[b], k) for a, b, k in scoring.comparison_pairs(
-            len(present), cfg.comparison_strategy, cfg.num_judges_per_comparison)]
+        plan = self._plan_present(present)
         if not self._transition(cohort, Phase.EVALUATING):
             return False
         cohort.evaluating_at = trio.current_time()
@@ -779,6 +778,15 @@ class CohortRegistry:
         if len(cohort.results) == len(plan):
             cohort.pairs_done.set()
         return True
+
+    def _plan_present(self, present: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """The comparisons of a partial cohort: the configured strategy over the M slots
+        ``present`` (in slot order), as slot triples. With ``circular`` and ``all_pairs`` every
+        early pair of two present members is in it (consecutive slots stay consecutive among
+        the present ones), so eager verdicts are dropped only by a plan that leaves one out."""
+        cfg = self._cfg
+        return [(present[a], present[b], k) for a, b, k in scoring.comparison_pairs(
+            len(present), cfg.comparison_strategy, cfg.num_judges_per_comparison)]
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
         members = cohort.members
