@@ -109,7 +109,7 @@ class _LocalRun:
         # (key, answer time) of waited-for answers -> labels, and reward assignments that fit
         self._active_before: set[int] = set()
         self._published: dict[tuple[Any, ...], set[str]] = {}
-        self._assignments: dict[tuple[Any, ...], set[tuple[int, ...]]] = {}
+        self._assignments: dict[tuple[Any, ...], set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     def violation(self, text: str) -> None:
         self.report.violations.append(f"op {self.op_index}: {text}")
