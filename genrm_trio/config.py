@@ -169,6 +169,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     default_score: float = 3.0
     default_ranking: float = 3.5
     unparseable_verdict_policy: Literal["default", "mask"] = "default"
+    incomplete_cohort_policy: Literal["fail", "judge_present"] = "fail"
+    min_cohort_members: int | None = None
     debug_logging: bool = False
     genrm_responses_create_params: dict[str, Any] = msgspec.field(
         default_factory=_default_judge_params
@@ -416,6 +418,31 @@ def read_prompt_template(path: str) -> judge_prompt.PlainPrompt:
         raise ConfigError(key, f"{path}: {exc}") from exc
 
 
+def min_members_present(cfg: Config) -> int:
+    """The fewest distinct slots a cohort needs at its collection deadline to be judged over the
+    members present (``incomplete_cohort_policy: judge_present``): ``min_cohort_members``, or
+    N - 1 when it is null (one straggler tolerated)."""
+    if cfg.min_cohort_members is not None:
+        return cfg.min_cohort_members
+    return cfg.num_rollouts_per_prompt - 1
+
+
+def _validate_partial(cfg: Config) -> None:
+    _choice("incomplete_cohort_policy", cfg.incomplete_cohort_policy, ("fail", "judge_present"))
+    n = cfg.num_rollouts_per_prompt
+    if cfg.incomplete_cohort_policy == "judge_present" and n < 3:
+        # A partial cohort needs two members, and at least one slot may be missing.
+        raise ConfigError(
+            "incomplete_cohort_policy",
+            f"judge_present needs num_rollouts_per_prompt >= 3, got {n}")
+    if cfg.min_cohort_members is not None:
+        _number("min_cohort_members", cfg.min_cohort_members, ge=2, nullable=True, integer=True)
+        if cfg.min_cohort_members > n - 1:
+            raise ConfigError(
+                "min_cohort_members",
+                f"must be <= num_rollouts_per_prompt - 1 ({n - 1}), got {cfg.min_cohort_members}")
+
+
 def _validate_config(cfg: Config) -> None:
     _number("num_rollouts_per_prompt", cfg.num_rollouts_per_prompt, ge=1, integer=True)
     for key in (
@@ -442,6 +469,7 @@ def _validate_config(cfg: Config) -> None:
         _number(key, getattr(cfg, key))
     _choice("unparseable_verdict_policy", cfg.unparseable_verdict_policy, ("default", "mask"))
     _number("top_percentile", cfg.top_percentile, gt=0, le=1)
+    _validate_partial(cfg)
     for key in (
         "group_reasoning_length_penalty_coeff",
         "group_answer_length_penalty_coeff",

@@ -40,6 +40,11 @@ MAX_FAILURE_TEXT = 2000
 #: default verdict (no judge answer parsed). ``genrm_``-prefixed so it cannot collide with other
 #: servers' keys in a NeMo Gym row; a plain number, so reward-profile metrics average it.
 DEFAULTED_COMPARISONS_KEY = "genrm_defaulted_comparisons"
+#: The [ext] keys of a rewarded ``/verify`` answer: the cohort's size N and how many of its
+#: members were judged (M; M < N only for a partial cohort, ``incomplete_cohort_policy:
+#: judge_present``). On every rewarded answer, full cohorts too (M = N).
+COHORT_EXPECTED_KEY = "genrm_cohort_expected"
+COHORT_SCORED_KEY = "genrm_cohort_scored"
 
 # ---------------------------------------------------------------------------------------------
 # Bounds (README "Bounds"; /openapi.json). Every body is checked before anything is interpreted.
@@ -444,11 +449,13 @@ def identity_fields(member: VerifyMember) -> dict[str, Any]:
     }
 
 
-def success_body(member: VerifyMember, reward: float,
-                 defaulted_comparisons: int | None = 0) -> dict[str, Any]:
+def success_body(member: VerifyMember, reward: float, defaulted_comparisons: int | None = 0,
+                 cohort_expected: int | None = 1, cohort_scored: int | None = 1,
+                 ) -> dict[str, Any]:
     """The 200 answer for a rewarded member: its body (identity keys only under ``_ng_`` names)
-    plus the reward, the unmasked markers and :data:`DEFAULTED_COMPARISONS_KEY` (None when
-    unknown: a record reloaded from the journal)."""
+    plus the reward, the unmasked markers, :data:`DEFAULTED_COMPARISONS_KEY` (None when
+    unknown: a record reloaded from the journal), :data:`COHORT_EXPECTED_KEY` and
+    :data:`COHORT_SCORED_KEY` (1 and 1 without cohorts, N <= 1)."""
     if not math.isfinite(reward):  # guarded by the registry; never publish a non-finite reward
         raise ValueError("non-finite reward")
     out = {k: v for k, v in member.body().items() if k not in IDENTITY_ALIASES}
@@ -458,6 +465,8 @@ def success_body(member: VerifyMember, reward: float,
     out["failure_kind"] = None
     out["failure_reason"] = None
     out[DEFAULTED_COMPARISONS_KEY] = defaulted_comparisons
+    out[COHORT_EXPECTED_KEY] = cohort_expected
+    out[COHORT_SCORED_KEY] = cohort_scored
     return out
 
 

@@ -26,6 +26,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     ("cohort_evaluation_timeout_s=null", "cohort_evaluation_timeout_s"),
     ("no_such_key=1", "no_such_key"),
     ("judge.api=grpc", "judge.api"),
+    ("min_cohort_members=1", "min_cohort_members"),
 ])
 def test_invalid_configuration_exits_2_with_one_line(setting: str, key: str) -> None:
     result = run_cli("serve", "--port", "0", "--set", setting)

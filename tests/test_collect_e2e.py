@@ -51,6 +51,7 @@ async def stack(
     *,
     policy_settings: MockPolicySettings | None = None,
     collection_timeout_s: float = 1.0,
+    extra: tuple[str, ...] = (),
 ) -> AsyncIterator[Stack]:
     judge_state = MockJudgeState()
     policy_state = MockPolicyState()
@@ -75,6 +76,7 @@ async def stack(
                 f'judge.base_urls=["{judge_url}"]',
                 # An outage must not leave the one endpoint cooling down for the next run.
                 "judge.endpoint_cooldown_s=0.01",
+                *extra,
             ],
             {},
         )
@@ -200,6 +202,47 @@ async def test_collection_timeout_when_a_member_never_arrives(
         assert result.metrics is not None
         assert result.metrics["key_metrics"]["mean/reward"] == 0.0
         assert result.metrics["agent_metrics"]["rollouts/scored"] == 4
+    check_parity_and_guard(out, result, classes)
+
+
+@pytest.mark.parametrize("classes", [(), ("agent_run_error",)])
+async def test_partial_groups_write_the_cohort_fields_and_metrics_match_offline(
+    tmp_path: Path, classes: tuple[str, ...],
+) -> None:
+    # Two tasks with one prompt: the mock policy numbers their 8 generations 0..7 in order (one
+    # group at a time), and the 8th, task 1's last, is a straggler 1.5 s late. Task 0's cohort
+    # is full; task 1's is judged over its 3 members at the 0.5 s deadline and the straggler's
+    # /verify gets 409 cohort_closed.
+    prompt = {"input": [{"role": "user", "content": "Add 2+2 and explain."}]}
+    (tmp_path / "tasks.jsonl").write_text("".join(
+        json.dumps({"responses_create_params": prompt, "prompt_id": f"p{i}"}) + "\n"
+        for i in range(2)))
+    async with stack(policy_settings=MockPolicySettings(straggler_every=8, straggler_delay_s=1.5),
+                     collection_timeout_s=0.5,
+                     extra=("incomplete_cohort_policy=judge_present",)) as s:
+        result = await collect(opts(s, tmp_path, max_concurrent_groups=1,
+                                    route_failures_to_sidecar=True,
+                                    count_failure_classes_as_zero=classes))
+    out = tmp_path / "out.jsonl"
+    rows = read_jsonl(out)
+    scored = sorted((r["_ng_task_index"], r["_ng_rollout_index"], r["genrm_cohort_expected"],
+                     r["genrm_cohort_scored"]) for r in rows)
+    [straggler] = read_jsonl(failures_path_for(out))
+    late = straggler["_ng_rollout_index"]  # whichever member asked the policy last
+    assert straggler["_ng_task_index"] == 1
+    assert [(t, i) for t, i, _e, _m in scored] == [(0, i) for i in range(4)] + [
+        (1, i) for i in range(4) if i != late]
+    assert [(e, m) for _t, _i, e, m in scored] == [(4, 4)] * 4 + [(4, 3)] * 3
+    assert straggler["_ng_failure_http_status"] == 409
+    assert straggler["_ng_failure_class"] == "agent_run_error"
+    assert '"failure_kind":"cohort_closed"' in straggler["_ng_failure_response_body"]
+    assert result.exit_code == 0 and result.metrics is not None
+    by_task = {g["_ng_task_index"]: g for g in result.metrics["group_level_metrics"]}
+    assert by_task[0]["mean/genrm_cohort_scored"] == 4.0
+    assert by_task[1]["mean/genrm_cohort_scored"] == 3.0
+    assert by_task[1]["mean/genrm_cohort_expected"] == 4.0
+    agent = result.metrics["agent_metrics"]
+    assert agent["rollouts/scored"] == (8 if classes else 7)
     check_parity_and_guard(out, result, classes)
 
 

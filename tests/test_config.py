@@ -575,3 +575,56 @@ def test_summary_is_plain_json_without_secrets() -> None:
     assert summary["default_principle"] == DEFAULT_PRINCIPLE
     assert set(summary) == set(Config.__struct_fields__)
     assert json.loads(text) == summary
+
+
+# --------------------------------------------------------------------------- partial cohorts
+
+
+@pytest.mark.parametrize(("overrides", "key", "needle"), [
+    (["incomplete_cohort_policy=judge_all"], "incomplete_cohort_policy", "'judge_present'"),
+    (["incomplete_cohort_policy=judge_present", "num_rollouts_per_prompt=2"],
+     "incomplete_cohort_policy", "needs num_rollouts_per_prompt >= 3, got 2"),
+    (["num_rollouts_per_prompt=8", "min_cohort_members=1"], "min_cohort_members",
+     "must be >= 2, got 1"),
+    (["num_rollouts_per_prompt=8", "min_cohort_members=8"], "min_cohort_members",
+     "must be <= num_rollouts_per_prompt - 1 (7), got 8"),
+    (["num_rollouts_per_prompt=8", "min_cohort_members=2.5"], "min_cohort_members",
+     "expected int | null"),
+    (["num_rollouts_per_prompt=8", "min_cohort_members=true"], "min_cohort_members",
+     "expected int | null"),
+    # Checked against N whatever the policy: a bound that depends on the policy would let a
+    # bad value through until someone turned the policy on.
+    (["num_rollouts_per_prompt=2", "min_cohort_members=2"], "min_cohort_members",
+     "must be <= num_rollouts_per_prompt - 1 (1), got 2"),
+])
+def test_partial_cohort_keys_are_validated_against_the_cohort_size(
+        overrides: list[str], key: str, needle: str) -> None:
+    err = error_for(overrides=overrides)
+    assert err.key == key
+    assert needle in str(err), str(err)
+
+
+@pytest.mark.parametrize(("overrides", "minimum"), [
+    (["num_rollouts_per_prompt=3", "incomplete_cohort_policy=judge_present"], 2),
+    (["num_rollouts_per_prompt=8", "incomplete_cohort_policy=judge_present"], 7),
+    (["num_rollouts_per_prompt=8", "incomplete_cohort_policy=judge_present",
+      "min_cohort_members=2"], 2),
+    (["num_rollouts_per_prompt=8", "min_cohort_members=7"], 7),
+])
+def test_partial_cohort_boundaries_are_accepted(overrides: list[str], minimum: int) -> None:
+    from genrm_trio.config import min_members_present
+
+    cfg = load_config(overrides=overrides, env={})
+    assert min_members_present(cfg) == minimum
+
+
+def test_the_partial_cohort_policy_is_off_by_default_and_shown_in_the_summary() -> None:
+    from genrm_trio.config import config_summary
+
+    cfg = Config()
+    assert (cfg.incomplete_cohort_policy, cfg.min_cohort_members) == ("fail", None)
+    summary = config_summary(load_config(overrides=[
+        "num_rollouts_per_prompt=4", "incomplete_cohort_policy=judge_present",
+        "min_cohort_members=3"], env={}))
+    assert summary["incomplete_cohort_policy"] == "judge_present"
+    assert summary["min_cohort_members"] == 3

@@ -122,6 +122,9 @@ async def test_defaulted_comparisons_are_counted_in_every_answer(
     assert [out["genrm_defaulted_comparisons"] for out in replayed] == [N] * N
     healthy = await run_cohort(stack.url, "next")
     assert [out["genrm_defaulted_comparisons"] for out in healthy] == [0] * N
+    # A full cohort says so: N expected, N scored (first answers and replays alike).
+    for out in (*defaulted, *replayed, *healthy):
+        assert (out["genrm_cohort_expected"], out["genrm_cohort_scored"]) == (N, N)
     lines = [r.getMessage() for r in caplog.records if "completed after" in r.getMessage()]
     assert len(lines) == 2
     assert f"{N} of {N} comparisons defaulted" in lines[0]
@@ -135,6 +138,7 @@ async def test_defaulted_comparisons_are_counted_in_every_answer(
         openapi = (await client.get("/openapi.json")).json()
     answer_schema = openapi["components"]["schemas"]["VerifyAnswer"]["properties"]
     assert "genrm_defaulted_comparisons" in answer_schema
+    assert {"genrm_cohort_expected", "genrm_cohort_scored"} <= set(answer_schema)
     endpoint = status["judge"]["endpoints"][0]
     assert endpoint["input_tokens"] > 0 and endpoint["output_tokens"] > 0
     assert endpoint["clients"] >= 1

@@ -216,3 +216,42 @@ async def test_builtin_judge_calls_are_observed() -> None:
         nursery.cancel_scope.cancel()
     assert value(after, "genrm_judge_call_duration_seconds",
                  "genrm_judge_call_duration_seconds_count", endpoint="builtin", result="ok") == 2
+
+
+async def test_partial_cohorts_are_counted_and_their_members_scored_observed() -> None:
+    n = 4
+    async with server_with_judge(n, "incomplete_cohort_policy=judge_present") as (client, _):
+        assert await post_group(client, "full", range(n)) == [200] * n
+        answers: list[Any] = []
+
+        async def one(slot: int) -> None:
+            answers.append((await client.post("/verify", json=body(slot, group="p"))).json())
+
+        async with trio.open_nursery() as nursery:
+            for slot in (0, 1, 3):
+                nursery.start_soon(one, slot)
+        late = await client.post("/verify", json=body(2, group="p"))
+        replay = await client.post("/verify", json=body(1, group="p"))
+        after = await scrape(client)
+    assert sorted(a["_ng_rollout_index"] for a in answers) == [0, 1, 3]
+    for a in answers:
+        assert a["mask_sample"] is False and isinstance(a["reward"], float)
+        assert (a["genrm_cohort_expected"], a["genrm_cohort_scored"]) == (n, 3)
+    assert late.status_code == 409
+    assert late.json()["failure_kind"] == "cohort_closed"
+    assert replay.status_code == 200 and replay.json()["genrm_cohort_scored"] == 3
+    assert value(after, "genrm_cohorts_partial", "genrm_cohorts_partial_total") == 1
+    assert value(after, "genrm_cohorts_completed", "genrm_cohorts_completed_total") == 2
+    scored = "genrm_cohort_members_scored"
+    assert after[scored].type == "histogram"
+    assert value(after, scored, scored + "_count") == 2
+    assert value(after, scored, scored + "_sum") == n + 3
+    assert value(after, scored, scored + "_bucket", le="3.0") == 1
+    assert value(after, scored, scored + "_bucket", le="4.0") == 2
+    coll = "genrm_cohort_collection_seconds"
+    assert value(after, coll, coll + "_count", outcome="partial") == 1
+    assert value(after, coll, coll + "_count", outcome="complete") == 1
+    ev = "genrm_cohort_evaluation_seconds"
+    assert value(after, ev, ev + "_count", outcome="partial") == 1
+    assert value(after, "genrm_verify_answers", "genrm_verify_answers_total",
+                 outcome="cohort_closed") == 1

@@ -10,12 +10,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from genrm_trio import scoring
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.mock.judge import run_mock_judge
 from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
@@ -115,6 +117,25 @@ def test_seeded_schedules_keep_every_invariant_and_reach_every_outcome(eager: bo
         assert summary.outcomes[kind] > 0, summary.outcomes
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["wait_for_all", "eager"])
+def test_partial_cohort_schedules_keep_every_invariant(eager: bool) -> None:
+    # incomplete_cohort_policy: judge_present, groups missing a straggler that may come late:
+    # partial rewards equal the reference over the members scored, late members get
+    # cohort_closed, legacy groups and too few members still fail whole, nothing is left over.
+    summary = run_local(400, seed=11, eager=eager, partial=True)
+    assert summary.shrunk is None, _fail_text(summary.shrunk, summary.violations)
+    for kind in ("rewarded", "rewarded_partial", "cohort_closed", "cohort_incomplete",
+                 "judge_failed", "shutdown", "superseded"):
+        assert summary.outcomes[kind] > 0, summary.outcomes
+
+
+def test_cli_local_partial_runs_the_partial_family() -> None:
+    result = CliRunner().invoke(torture_cli, ["--local", "--partial", "--schedules", "60",
+                                              "--seed", "5"])
+    assert result.exit_code == 0, result.output
+    assert "rewarded_partial" in result.output and "violations: 0" in result.output
+
+
 def test_a_seed_reproduces_its_schedule_and_its_report() -> None:
     a = generate_schedule(random.Random(1234))
     b = generate_schedule(random.Random(1234))
@@ -190,6 +211,25 @@ class _EarlyWaitForAllBug(CohortRegistry):
             self._start_ready_pairs(cohort, self._nursery)
 
 
+class _FullPlanBug(CohortRegistry):
+    """Judges a partial cohort with the comparisons planned for all N, keeping those whose two
+    members are present (NeMo Gym PR #2385's semantics: unequal numbers of comparisons)."""
+
+    def _plan_present(self, present: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        cfg = self._cfg
+        return [(i, j, k) for i, j, k in scoring.comparison_pairs(
+            cfg.num_rollouts_per_prompt, cfg.comparison_strategy, cfg.num_judges_per_comparison)
+            if i in present and j in present]
+
+
+class _PolicyIgnoredBug(CohortRegistry):
+    """Judges whatever is present at the deadline even where the policy is off."""
+
+    def __init__(self, cfg: Config, judge: Any, nursery: trio.Nursery) -> None:
+        super().__init__(msgspec.structs.replace(
+            cfg, incomplete_cohort_policy="judge_present", min_cohort_members=2), judge, nursery)
+
+
 _EAGER_THREE = (JudgeMode(0, "ok", 0.713), Arrive(0, 0), Arrive(0, 1), Advance(0.517),
                 Arrive(0, 1), Advance(0.517), Arrive(0, 2))
 
@@ -208,6 +248,10 @@ _EAGER_THREE = (JudgeMode(0, "ok", 0.713), Arrive(0, 0), Arrive(0, 1), Advance(0
          "still waiting after shutdown"),
         (_EarlyPublishBug, Schedule(ops=(Arrive(1, 0), Arrive(1, 1)), n=3),
          "incomplete cohort"),
+        (_FullPlanBug, Schedule(ops=(Arrive(0, 0), Arrive(0, 1), Arrive(0, 3)), n=4,
+                                partial=True), "matches no reference"),
+        (_PolicyIgnoredBug, Schedule(ops=(Arrive(0, 0), Arrive(0, 1)), n=3),
+         "a partial reward (2 of 3) without incomplete_cohort_policy judge_present"),
     ],
 )
 def test_a_broken_registry_is_caught(bug: type[CohortRegistry], schedule: Schedule,

@@ -5,7 +5,10 @@ completion), ``GET /v1/models``, ``GET /health``. Answers are varied but determi
 request for a given prompt (or a request carrying ``seed``) always gets the same text and the same
 latency for a given ``MockPolicySettings.seed``. Latency follows ``latency_distribution``
 (``fixed``, ``uniform`` or ``exponential``) around ``latency_mean_s``. Fault injection for tests:
-the first ``fail_first_n`` generation requests are answered with ``fail_status``.
+the first ``fail_first_n`` generation requests are answered with ``fail_status``; with
+``straggler_every`` K > 0, every K-th request for a prompt (the K-th, 2K-th, ...) waits
+``straggler_delay_s`` more, so with K = N each group has one straggler (its last generation
+request), the member a partial cohort is judged without (``incomplete_cohort_policy``).
 
 The server is Hypercorn on Trio with a plain ASGI callable; :func:`run_mock_policy` owns it.
 It lives on the caller side because ``genrm-trio collect`` embeds it when no policy URL is
@@ -20,7 +23,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import click
 import hypercorn.config
@@ -58,6 +61,8 @@ class MockPolicySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     latency_spread_s: float = 0.0
     fail_first_n: int = 0
     fail_status: int = 500
+    straggler_every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    straggler_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class MockPolicyState:
@@ -222,7 +227,11 @@ class MockPolicyApp:
         digest = _prompt_digest(body)
         variant: Any = body["seed"] if "seed" in body else self.state.next_sequence(digest)
         rng = _rng(self.settings, digest, variant)
-        await trio.sleep(_latency_s(self.settings, rng))
+        delay_s = _latency_s(self.settings, rng)
+        every = self.settings.straggler_every
+        if every and isinstance(variant, int) and (variant + 1) % every == 0:
+            delay_s += self.settings.straggler_delay_s
+        await trio.sleep(delay_s)
         text = _answer_text(self.settings, rng)
         if path == "/v1/responses":
             return 200, _responses_object(self.settings, body, text, rng)

@@ -245,8 +245,9 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, byt
     (thousands of waiters may be released at once, to clients that read slowly)."""
     encode = wire.JSON_ENCODER.encode
     if isinstance(outcome, Rewarded):
-        return 200, encode(wire.success_body(member, outcome.reward,
-                                             outcome.defaulted_comparisons)), []
+        return 200, encode(wire.success_body(
+            member, outcome.reward, outcome.defaulted_comparisons, outcome.cohort_expected,
+            outcome.cohort_scored)), []
     if outcome.masked:
         return 200, encode(wire.masked_body(member, outcome.detail)), []
     headers = []

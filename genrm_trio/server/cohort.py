@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import math
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -44,7 +45,7 @@ from typing import Any, Protocol
 import trio
 
 from genrm_trio import identity, scoring
-from genrm_trio.config import Config
+from genrm_trio.config import Config, min_members_present
 from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
@@ -95,10 +96,14 @@ class Failure:
 @dataclass(frozen=True, slots=True)
 class Rewarded:
     """A member's reward. ``defaulted_comparisons``: how many of its cohort's comparisons used
-    the default verdict (None: unknown, a record reloaded from the journal)."""
+    the default verdict (None: unknown, a record reloaded from the journal).
+    ``cohort_expected`` / ``cohort_scored``: the cohort's size N and how many of its members
+    were judged (M < N for a partial cohort, ``incomplete_cohort_policy: judge_present``)."""
 
     reward: float
     defaulted_comparisons: int | None = dataclasses.field(default=0, compare=False)
+    cohort_expected: int | None = dataclasses.field(default=None, compare=False)
+    cohort_scored: int | None = dataclasses.field(default=None, compare=False)
 
 
 Outcome = Rewarded | Failure
@@ -112,7 +117,11 @@ class PairJudge(Protocol):
 class CohortObserver(Protocol):
     """Told of every cohort disposition (server/prometheus.py's ServerMetrics is one)."""
 
-    def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None) -> None: ...
+    def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None,
+                    partial: bool = False) -> None: ...
+
+    def cohort_scored(self, expected: int, scored: int) -> None:
+        """A cohort was published with ``scored`` of its ``expected`` members rewarded."""
 
 
 class _Member:
@@ -160,7 +169,7 @@ class Cohort:
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
-        "wake",
+        "wake", "scored", "pair_scopes", "dropped_pairs",
     )
 
     def __init__(
@@ -174,8 +183,9 @@ class Cohort:
         self.principle = principle
         self.phase = Phase.COLLECTING
         self.members: dict[int, _Member] = {}
-        self.digests: tuple[str, ...] = ()
-        self.rewards: tuple[float, ...] = ()
+        # By slot once completed; None for a slot a partial cohort was judged without.
+        self.digests: tuple[str | None, ...] = ()
+        self.rewards: tuple[float | None, ...] = ()
         self.failure: Failure | None = None
         self.size_bytes = 0
         self.opened_at = opened_at
@@ -187,10 +197,17 @@ class Cohort:
         # from then on they watch their connections in these cancel scopes.
         self.wake = trio.Event()
         self.wakers: set[trio.CancelScope] = set()
+        # The comparison plan as (slot_i, slot_j, judge_idx) triples: over all N slots, or,
+        # once judged partially, over the slots present (`scored`, in slot order).
         self.pairs = pairs
-        self.started_pairs: set[int] = set()
-        self.results: dict[int, scoring.Verdict] = {}
+        self.started_pairs: set[tuple[int, int, int]] = set()
+        self.results: dict[tuple[int, int, int], scoring.Verdict] = {}
+        # A started comparison's own cancel scope, until it ends: a re-plan cancels the ones
+        # it drops (eager comparisons of a partial cohort that are not in its new plan).
+        self.pair_scopes: dict[tuple[int, int, int], trio.CancelScope] = {}
         self.pairs_done = trio.Event()
+        self.scored: tuple[int, ...] | None = None  # set when judged partially
+        self.dropped_pairs = 0
         self.evaluating_at: float | None = None
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
@@ -222,21 +239,28 @@ class Cohort:
     def legacy(self) -> bool:
         return self.key.group_id is None
 
+    @property
+    def scored_count(self) -> int:
+        """How many members its rewards cover (N unless judged partially)."""
+        return self.size if self.scored is None else len(self.scored)
+
 
 class _Record:
-    """A terminal record (tombstone): digests and rewards, or the failure. Few objects each."""
+    """A terminal record (tombstone): digests and rewards by slot (None for a slot a partial
+    cohort was judged without), or the failure. Few objects each."""
 
-    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted")
+    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted", "scored")
 
     def __init__(
-        self, expires_at: float, digests: tuple[str, ...], rewards: tuple[float, ...],
-        failure: Failure | None, defaulted: int | None = None,
+        self, expires_at: float, digests: tuple[str | None, ...],
+        rewards: tuple[float | None, ...], failure: Failure | None, defaulted: int | None = None,
     ) -> None:
         self.expires_at = expires_at
         self.digests = digests
         self.rewards = rewards
         self.failure = failure
         self.defaulted = defaulted  # None: not journaled, unknown after a restart
+        self.scored = sum(1 for d in digests if d is not None)
 
 
 class _Watermark:
@@ -417,7 +441,11 @@ class CohortRegistry:
 
     def _outcome(self, cohort: Cohort, slot: int) -> Outcome:
         """A released waiter's outcome (counted once per waiter)."""
-        outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot], cohort.defaulted)
+        outcome: Outcome | None = cohort.failure
+        if outcome is None:
+            reward = cohort.rewards[slot]
+            assert reward is not None  # only present members wait on a cohort
+            outcome = Rewarded(reward, cohort.defaulted, cohort.size, cohort.scored_count)
         self.counters[_outcome_label(outcome)] += 1
         return outcome
 
@@ -517,9 +545,12 @@ class CohortRegistry:
         if record is not None:
             if record.failure is not None:
                 return record.failure
-            if record.digests[slot] != digest:
+            recorded, reward = record.digests[slot], record.rewards[slot]
+            if recorded is None or reward is None:
+                return _closed(key, slot, record.scored, len(record.digests))
+            if recorded != digest:
                 return _conflict(key, slot, "the completed cohort")
-            return Rewarded(record.rewards[slot], record.defaulted)
+            return Rewarded(reward, record.defaulted, len(record.digests), record.scored)
 
         cohort = self._active.get(key)
         if cohort is not None:
@@ -533,6 +564,8 @@ class CohortRegistry:
                 if existing.digest != digest:
                     return _conflict(key, slot, f"the {cohort.phase.value} cohort")
                 return cohort, True
+            if cohort.scored is not None:  # judged over the members present, without this slot
+                return _closed(key, slot, len(cohort.scored), cohort.size)
             self._add_member(cohort, slot, digest, member)
             return cohort, False
 
@@ -690,7 +723,7 @@ class CohortRegistry:
                             self._start_ready_pairs(cohort, pair_nursery)
                         cohort.arrival = trio.Event()
                         await cohort.arrival.wait()
-                if cohort.phase is Phase.COLLECTING:
+                if cohort.phase is Phase.COLLECTING and not self._judge_present(cohort):
                     self._fail(cohort, self._incomplete(cohort))
                     return
                 if cohort.phase is not Phase.EVALUATING:
@@ -715,12 +748,53 @@ class CohortRegistry:
                 "comparisons done",
             ))
 
+    def _judge_present(self, cohort: Cohort) -> bool:
+        """At the collection deadline with slots missing: under ``incomplete_cohort_policy:
+        judge_present``, an explicit group with at least ``min_cohort_members`` distinct slots
+        is moved to evaluating over exactly the members present. Its comparisons are planned
+        again over them, in slot order, with the configured strategy; comparisons already
+        started (eager) that the new plan has are kept, the others cancelled and counted as
+        wasted. Synchronous. Returns False when the cohort must fail as incomplete."""
+        cfg = self._cfg
+        if (cfg.incomplete_cohort_policy != "judge_present" or cohort.legacy
+                or len(cohort.members) < min_members_present(cfg)):
+            return False
+        present = tuple(sorted(cohort.members))
+        plan = self._plan_present(present)
+        if not self._transition(cohort, Phase.EVALUATING):
+            return False
+        cohort.evaluating_at = trio.current_time()
+        cohort.scored = present
+        dropped = cohort.started_pairs.difference(plan)
+        for pair in dropped:
+            scope = cohort.pair_scopes.pop(pair, None)
+            if scope is not None:
+                scope.cancel()
+            cohort.results.pop(pair, None)
+        cohort.started_pairs -= dropped
+        cohort.dropped_pairs = len(dropped)
+        self.counters["comparisons_wasted"] += len(dropped)
+        cohort.pairs = plan
+        if len(cohort.results) == len(plan):
+            cohort.pairs_done.set()
+        return True
+
+    def _plan_present(self, present: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """The comparisons of a partial cohort: the configured strategy over the M slots
+        ``present`` (in slot order), as slot triples. With ``circular`` and ``all_pairs`` every
+        early pair of two present members is in it (consecutive slots stay consecutive among
+        the present ones), so eager verdicts are dropped only by a plan that leaves one out."""
+        cfg = self._cfg
+        return [(present[a], present[b], k) for a, b, k in scoring.comparison_pairs(
+            len(present), cfg.comparison_strategy, cfg.num_judges_per_comparison)]
+
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
         members = cohort.members
-        for index, (i, j, judge_idx) in enumerate(cohort.pairs):
-            if index in cohort.started_pairs or i not in members or j not in members:
+        for pair in cohort.pairs:
+            i, j, judge_idx = pair
+            if pair in cohort.started_pairs or i not in members or j not in members:
                 continue
-            cohort.started_pairs.add(index)
+            cohort.started_pairs.add(pair)
             self.counters["comparisons_started"] += 1
             # Built now: the task may first run after the cohort failed and dropped its members.
             request = JudgeRequest(
@@ -730,11 +804,17 @@ class CohortRegistry:
                 principle=cohort.principle,
                 judge_idx=judge_idx,
             )
-            nursery.start_soon(self._judge_one, cohort, index, request)
+            # Made here, not in the task: a re-plan may cancel it before the task first runs.
+            scope = cohort.pair_scopes[pair] = trio.CancelScope()
+            nursery.start_soon(self._judge_one, cohort, pair, request, scope)
 
-    async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest) -> None:
+    async def _judge_one(self, cohort: Cohort, pair: tuple[int, int, int], request: JudgeRequest,
+                         scope: trio.CancelScope) -> None:
         try:
-            verdict = await self._judge.judge_pair(request, cohort)
+            with scope:
+                verdict = await self._judge.judge_pair(request, cohort)
+            if scope.cancelled_caught:  # dropped by a re-plan (counted as wasted there)
+                return
         except JudgeFailed as exc:
             cohort.input_tokens += exc.input_tokens
             cohort.output_tokens += exc.output_tokens
@@ -745,41 +825,63 @@ class CohortRegistry:
             self._fail(cohort, self._failure(
                 cohort, 503, "evaluation_error", f"judging failed: {type(exc).__name__}: {exc}"))
             return
+        finally:
+            if cohort.pair_scopes.get(pair) is scope:
+                del cohort.pair_scopes[pair]
         cohort.input_tokens += verdict.input_tokens
         cohort.output_tokens += verdict.output_tokens
-        if cohort.phase in ACTIVE_PHASES:
-            cohort.results[index] = verdict
+        if cohort.phase in ACTIVE_PHASES and pair in cohort.started_pairs:
+            cohort.results[pair] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
 
     def _publish(self, cohort: Cohort) -> None:
+        """Aggregate over the members judged (all N, or a partial cohort's present ones, in
+        slot order: penalties and bonuses are centred over them) and publish by slot."""
+        scored = cohort.scored if cohort.scored is not None else tuple(range(cohort.size))
+        position = {slot: p for p, slot in enumerate(scored)}
         comparisons = [
             scoring.Comparison(
-                response_i=i, response_j=j, judge_idx=k, score_1=v.score_1, score_2=v.score_2,
-                ranking=v.ranking,
+                response_i=position[i], response_j=position[j], judge_idx=k, score_1=v.score_1,
+                score_2=v.score_2, ranking=v.ranking,
             )
-            for index, (i, j, k) in enumerate(cohort.pairs)
-            for v in (cohort.results[index],)
+            for (i, j, k) in cohort.pairs
+            for v in (cohort.results[(i, j, k)],)
         ]
-        responses = [cohort.members[slot].response for slot in range(cohort.size)]
+        responses = [cohort.members[slot].response for slot in scored]
         try:
             rewards, _ = scoring.aggregate(comparisons, responses, self._cfg,
                                            with_metrics=False)
-            if len(rewards) != cohort.size or not all(math.isfinite(r) for r in rewards):
-                raise GenRMError(f"aggregation gave {rewards!r} for {cohort.size} rollouts")
+            if len(rewards) != len(scored) or not all(math.isfinite(r) for r in rewards):
+                raise GenRMError(f"aggregation gave {rewards!r} for {len(scored)} rollouts")
         except GenRMError as exc:  # anything else is a bug: the task boundary logs it
             self._fail(cohort, self._failure(
                 cohort, 503, "evaluation_error", f"reward aggregation failed: {exc}"))
             return
-        digests = tuple(cohort.members[s].digest for s in range(cohort.size))
+        by_slot: list[float | None] = [None] * cohort.size
+        digests: list[str | None] = [None] * cohort.size
+        for slot, reward in zip(scored, rewards, strict=True):
+            by_slot[slot] = float(reward)
+            digests[slot] = cohort.members[slot].digest
         if not self._transition(cohort, Phase.COMPLETED):
             return
-        cohort.rewards = tuple(float(r) for r in rewards)
-        cohort.digests = digests
+        cohort.rewards = tuple(by_slot)
+        cohort.digests = tuple(digests)
         cohort.defaulted = sum(1 for v in cohort.results.values() if v.defaulted)
-        self._disposed(cohort, "completed",
-                       f"rewards {[round(r, 4) for r in cohort.rewards[:16]]}; "
-                       f"{cohort.defaulted} of {len(cohort.pairs)} comparisons defaulted")
+        shown = [None if r is None else round(r, 4) for r in cohort.rewards[:16]]
+        if cohort.scored is None:
+            self._disposed(cohort, "completed",
+                           f"rewards {shown}; "
+                           f"{cohort.defaulted} of {len(cohort.pairs)} comparisons defaulted")
+        else:
+            self.counters["cohorts_partial"] += 1
+            self._disposed(cohort, "partial",
+                           f"rewards by slot {shown} (missing slots: "
+                           f"{_slots(s for s in range(cohort.size) if s not in position)}); "
+                           f"{cohort.defaulted} of {len(cohort.pairs)} comparisons defaulted, "
+                           f"{cohort.dropped_pairs} early ones dropped by the re-plan")
+        if self._observer is not None:
+            self._observer.cohort_scored(cohort.size, len(scored))
         self._retire(cohort)
         self.counters["cohorts_completed"] += 1
         cohort.release()
@@ -809,13 +911,21 @@ class CohortRegistry:
         collection_s = (now if evaluating_at is None else evaluating_at) - cohort.opened_at
         evaluation_s = None if evaluating_at is None else now - evaluating_at
         key = identity.describe(cohort.key)  # bounded, control characters escaped
+        if kind == "completed":
+            status = "completed"
+        elif kind == "partial":
+            status = f"completed partial ({cohort.scored_count} of {cohort.size} members)"
+        else:
+            status = f"failed ({kind})"
         logger.info(
-            "%s %s after %.3f s: %s; judge tokens %d in, %d out", key,
-            "completed" if kind == "completed" else f"failed ({kind})",
+            "%s %s after %.3f s: %s; judge tokens %d in, %d out", key, status,
             now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
             extra={
                 "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
                 "members": len(cohort.members), "size": cohort.size,
+                # Judged over the members present (incomplete_cohort_policy: judge_present).
+                **({} if cohort.scored is None else {"partial": True,
+                                                     "scored": len(cohort.scored)}),
                 "total_s": round(now - cohort.opened_at, 6),
                 "collection_s": round(collection_s, 6),
                 "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
@@ -827,7 +937,8 @@ class CohortRegistry:
             },
         )
         if self._observer is not None:
-            self._observer.cohort_done(kind, collection_s, evaluation_s)
+            self._observer.cohort_done(kind, collection_s, evaluation_s,
+                                       cohort.scored is not None)
 
     def _retire(self, cohort: Cohort) -> None:
         """Move a cohort that just became terminal out of the active set, keep its record."""
@@ -919,14 +1030,34 @@ class CohortRegistry:
         return self._failure(cohort, 200, "judge_failed", bound_text(detail, room), masked=True)
 
     def _incomplete(self, cohort: Cohort) -> Failure:
-        missing = [s for s in range(cohort.size) if s not in cohort.members]
-        shown = ", ".join(str(s) for s in missing[:32]) + (", ..." if len(missing) > 32 else "")
+        cfg = self._cfg
+        shown = _slots(s for s in range(cohort.size) if s not in cohort.members)
+        why = "no reward is computed from an incomplete cohort"
+        if cfg.incomplete_cohort_policy == "judge_present":
+            why = ("legacy groups (no _ng_group_id) are never judged partially" if cohort.legacy
+                   else f"incomplete_cohort_policy judge_present needs at least "
+                        f"{min_members_present(cfg)} members")
         return self._failure(
             cohort, 503, "cohort_incomplete",
-            f"collection deadline of {self._cfg.cohort_collection_timeout_s:g} s passed with "
-            f"{len(cohort.members)} of {cohort.size} rollouts (missing slots: {shown}); "
-            "no reward is computed from an incomplete cohort",
+            f"collection deadline of {cfg.cohort_collection_timeout_s:g} s passed with "
+            f"{len(cohort.members)} of {cohort.size} rollouts (missing slots: {shown}); {why}",
         )
+
+
+def _slots(slots: Iterable[int], limit: int = 32) -> str:
+    """Slot numbers for a message, at most ``limit`` of them."""
+    shown = list(itertools.islice(slots, limit + 1))
+    return ", ".join(str(s) for s in shown[:limit]) + (", ..." if len(shown) > limit else "")
+
+
+def _closed(key: identity.CohortKey, slot: int, scored: int, size: int) -> Failure:
+    return Failure(
+        409, "cohort_closed",
+        f"group {_short(key.group_id or '')!r} attempt {key.attempt}: slot {slot} arrived after "
+        f"the cohort was judged without it ({scored} of {size} members, incomplete_cohort_policy "
+        "judge_present); a missing slot never gets a reward: resend the complete group with a "
+        "higher _ng_group_attempt",
+    )
 
 
 def _conflict(key: identity.CohortKey, slot: int, where: str) -> Failure:

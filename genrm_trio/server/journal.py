@@ -20,7 +20,9 @@ last moments), never corrupt the file. ``state_sync: full`` fsyncs every commit 
 FULL``), which survives power loss at the cost of one fsync per finished cohort.
 
 **Reload validates.** Every row is checked on start (key shape, digests and rewards matching the
-configured cohort size, finite rewards, a well-formed failure, a non-negative attempt); a bad row
+configured cohort size, finite rewards, a well-formed failure, a non-negative attempt; a partial
+cohort's record, ``incomplete_cohort_policy: judge_present``, holds null for each slot it was
+judged without, in both lists at the same places, and at least two members); a bad row
 (a changed ``num_rollouts_per_prompt``, a hand-edited or foreign file) is skipped, and the number
 skipped is logged in one warning.
 
@@ -80,8 +82,8 @@ class JournalError(GenRMError):
 class StoredRecord:
     key: CohortKey
     expires_wall: float | None
-    digests: tuple[str, ...]
-    rewards: tuple[float, ...]
+    digests: tuple[str | None, ...]  # None: a slot a partial cohort was judged without
+    rewards: tuple[float | None, ...]
     failure: dict[str, Any] | None
 
 
@@ -241,12 +243,17 @@ class Journal:
                     if parsed_key.group_id is None:
                         raise ValueError("a completed legacy cohort is never retained")
                     if not (isinstance(digest_list, list) and len(digest_list) == cohort_size
-                            and all(_is_digest(d) for d in digest_list)):
+                            and all(d is None or _is_digest(d) for d in digest_list)):
                         raise ValueError(f"digests do not fit a cohort of {cohort_size}")
                     if not (isinstance(reward_list, list) and len(reward_list) == cohort_size
-                            and all(type(r) in (int, float) and math.isfinite(r)
+                            and all(r is None or (type(r) in (int, float) and math.isfinite(r))
                                     for r in reward_list)):
                         raise ValueError(f"rewards do not fit a cohort of {cohort_size}")
+                    missing = [d is None for d in digest_list]
+                    if missing != [r is None for r in reward_list]:
+                        raise ValueError("digests and rewards miss different slots")
+                    if missing.count(False) < 2:
+                        raise ValueError("a partial cohort holds at least two members")
                 elif digest_list != [] or reward_list != []:
                     raise ValueError("a failure record holds no digests or rewards")
             except (ValueError, TypeError) as exc:
@@ -254,10 +261,12 @@ class Journal:
                 logger.debug("journal row skipped: %s", exc)
                 continue
             yield StoredRecord(parsed_key, expires_wall, tuple(digest_list),
-                               tuple(float(r) for r in reward_list), parsed_failure)
+                               tuple(None if r is None else float(r) for r in reward_list),
+                               parsed_failure)
 
-    def put_record(self, key: CohortKey, expires_wall: float | None, digests: tuple[str, ...],
-                   rewards: tuple[float, ...], failure: dict[str, Any] | None) -> bool:
+    def put_record(self, key: CohortKey, expires_wall: float | None,
+                   digests: tuple[str | None, ...], rewards: tuple[float | None, ...],
+                   failure: dict[str, Any] | None) -> bool:
         return self._write([(
             "INSERT OR REPLACE INTO records (key, seq, expires_wall, digests, rewards, failure) "
             "VALUES (?, ?, ?, ?, ?, ?)",

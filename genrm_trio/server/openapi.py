@@ -21,7 +21,7 @@ _REF = "#/components/schemas/{name}"
 VERIFY_ERRORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "400": ("bad_request",),
     "408": ("request_timeout",),
-    "409": ("conflict", "prompt_mismatch", "stale_attempt", "result_expired"),
+    "409": ("conflict", "prompt_mismatch", "stale_attempt", "result_expired", "cohort_closed"),
     "413": ("too_large",),
     "415": ("bad_request",),
     "422": ("bad_coordinates",),
@@ -117,6 +117,18 @@ def build_openapi() -> dict[str, Any]:
                 "description": "Rewarded answers only: how many of the cohort's comparisons "
                 "used the default verdict because no judge answer parsed (null: unknown, a "
                 "record reloaded from state_dir).",
+            },
+            wire.COHORT_EXPECTED_KEY: {
+                "type": "integer", "minimum": 1,
+                "description": "Rewarded answers only: the cohort's size N "
+                "(num_rollouts_per_prompt).",
+            },
+            wire.COHORT_SCORED_KEY: {
+                "type": "integer", "minimum": 1,
+                "description": "Rewarded answers only: how many of the cohort's members were "
+                "judged; below genrm_cohort_expected only for a partial cohort "
+                "(incomplete_cohort_policy: judge_present), whose rewards are relative to the "
+                "members present.",
             },
         },
     }

@@ -32,6 +32,13 @@ if TYPE_CHECKING:
     from genrm_trio.server.cohort import CohortRegistry
     from genrm_trio.server.judge import Judge
 
+# Members of a cohort: every small size, then powers of two (num_rollouts_per_prompt is
+# usually 4..64).
+MEMBERS_BUCKETS: tuple[float, ...] = (
+    2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0,
+    float("inf"),
+)
+
 # From a loopback millisecond to past the 1800 s default deadlines.
 DURATION_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -53,13 +60,20 @@ class ServerMetrics:
             ["outcome"], registry=self.registry, buckets=DURATION_BUCKETS_S)
         self._collection = Histogram(
             "genrm_cohort_collection_seconds",
-            "Time from a cohort's first member to its last (outcome complete) or to its failure "
-            "while collecting (outcome: the failure kind).",
+            "Time from a cohort's first member to its last (outcome complete), to the deadline "
+            "that judged it over the members present (partial), or to its failure while "
+            "collecting (outcome: the failure kind).",
             ["outcome"], registry=self.registry, buckets=DURATION_BUCKETS_S)
         self._evaluation = Histogram(
             "genrm_cohort_evaluation_seconds",
-            "Time from a full cohort to its outcome (completed, or the failure kind).",
+            "Time from a full (or partial) cohort to its outcome (completed, partial, or the "
+            "failure kind).",
             ["outcome"], registry=self.registry, buckets=DURATION_BUCKETS_S)
+        self._members_scored = Histogram(
+            "genrm_cohort_members_scored",
+            "Members judged per published cohort: N for a full one, fewer for a partial one "
+            "(incomplete_cohort_policy: judge_present; counted in genrm_cohorts_partial_total).",
+            registry=self.registry, buckets=MEMBERS_BUCKETS)
         self._judge_call = Histogram(
             "genrm_judge_call_duration_seconds",
             "One judge attempt (HTTP request, plugin or built-in call), by endpoint and result "
@@ -87,13 +101,22 @@ class ServerMetrics:
     def observe_verify(self, outcome: str, seconds: float) -> None:
         _child(self._verify, self._verify_children, outcome).observe(seconds)
 
-    def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None) -> None:
-        """A cohort reached its disposition ``kind`` (``completed`` or a failure kind).
-        ``evaluation_s`` is None when it never left collecting."""
-        outcome = "complete" if evaluation_s is not None else kind
+    def cohort_done(self, kind: str, collection_s: float, evaluation_s: float | None,
+                    partial: bool = False) -> None:
+        """A cohort reached its disposition ``kind`` (``completed``, ``partial`` or a failure
+        kind). ``evaluation_s`` is None when it never left collecting; ``partial``: its
+        collection ended at the deadline, judged over the members present."""
+        if partial:
+            outcome = "partial"
+        else:
+            outcome = "complete" if evaluation_s is not None else kind
         _child(self._collection, self._collection_children, outcome).observe(collection_s)
         if evaluation_s is not None:
             _child(self._evaluation, self._evaluation_children, kind).observe(evaluation_s)
+
+    def cohort_scored(self, expected: int, scored: int) -> None:
+        """A cohort was published with ``scored`` of its ``expected`` members rewarded."""
+        self._members_scored.observe(scored)
 
     def judge_call(self, endpoint: str, ok: bool, seconds: float) -> None:
         child = self._judge_children.get((endpoint, ok))
@@ -164,8 +187,11 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
     counters = registry.counters
     yield CounterMetricFamily("genrm_cohorts_opened", "Cohorts opened.",
                               value=counters["cohorts_opened"])
-    yield CounterMetricFamily("genrm_cohorts_completed", "Cohorts completed.",
-                              value=counters["cohorts_completed"])
+    yield CounterMetricFamily("genrm_cohorts_completed", "Cohorts completed (partial ones "
+                              "included).", value=counters["cohorts_completed"])
+    yield CounterMetricFamily(
+        "genrm_cohorts_partial", "Cohorts judged over the members present at the collection "
+        "deadline (incomplete_cohort_policy: judge_present).", value=counters["cohorts_partial"])
     failed = CounterMetricFamily("genrm_cohorts_failed", "Cohorts failed, by kind.",
                                  labels=["kind"])
     answers = CounterMetricFamily("genrm_verify_answers", "/verify answers from the registry, "
@@ -183,7 +209,8 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
         value=counters["comparisons_started"])
     yield CounterMetricFamily(
         "genrm_comparisons_wasted",
-        "Comparisons started by cohorts that then failed (their verdicts discarded).",
+        "Comparisons started by cohorts that then failed, or dropped when a partial cohort's "
+        "comparisons were planned again (their verdicts discarded).",
         value=counters["comparisons_wasted"])
     journal = registry.journal
     if journal is not None:

@@ -44,6 +44,9 @@ def print_local_summary(summary: LocalSummary, seed: int) -> None:
               help="--local: operations per schedule, at most.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed; --local schedule i uses seed+i.")
+@click.option("--partial", is_flag=True, help="--local: schedules with incomplete_cohort_policy: "
+              "judge_present (cohorts of 3-4, groups missing a straggler); partial rewards "
+              "are checked against the reference over the members scored.")
 @click.option("--url", help="Base URL of a live /verify server to torture over HTTP.")
 @click.option("--judge-url", help="Base URL of the genrm-trio mock judge the server uses "
               "(its /admin/fault API injects the faults).")
@@ -67,7 +70,8 @@ def print_local_summary(summary: LocalSummary, seed: int) -> None:
 @click.option("--server-token-env", default=None, metavar="ENV",
               help="--url: environment variable holding the server's bearer token (default: "
                    "GENRM_AUTH_TOKEN, sent only when set).")
-def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str | None,
+def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, partial: bool,
+                url: str | None,
                 judge_url: str | None, num_rollouts: int | None, max_requests: int,
                 time_limit_s: float, hang_after_s: float, settle_s: float, fuzz_bodies: int,
                 no_reward_check: bool, server_token_env: str | None) -> None:
@@ -79,6 +83,7 @@ def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str |
 
     \b
     genrm-trio torture --local --schedules 10000
+    genrm-trio torture --local --partial --schedules 10000
     genrm-trio torture --url http://127.0.0.1:8000 --judge-url http://127.0.0.1:9000
     """
     if local == (url is not None):
@@ -87,7 +92,8 @@ def torture_cli(local: bool, schedules: int, max_ops: int, seed: int, url: str |
         # The scripted judge's crashes are logged with tracebacks by the registry: expected here.
         logging.getLogger("genrm_trio").setLevel(logging.CRITICAL)
         summary = run_local(schedules, seed, max_ops,
-                            progress=lambda k: click.echo(f"  ... {k} schedules", err=True))
+                            progress=lambda k: click.echo(f"  ... {k} schedules", err=True),
+                            partial=partial)
         print_local_summary(summary, seed)
         sys.exit(1 if summary.shrunk is not None else 0)
     assert url is not None

@@ -21,6 +21,7 @@ VERIFY_FAILURE_STATUS: Mapping[str, int] = MappingProxyType({
     "prompt_mismatch": 409,
     "stale_attempt": 409,
     "result_expired": 409,
+    "cohort_closed": 409,
     "overloaded": 429,
     "cohort_incomplete": 503,
     "superseded": 503,

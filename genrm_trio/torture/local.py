@@ -86,7 +86,8 @@ class Report:
 
 def _label(outcome: Outcome) -> str:
     if isinstance(outcome, Rewarded):
-        return "rewarded"
+        partial = (outcome.cohort_scored or 0) < (outcome.cohort_expected or 0)
+        return "rewarded_partial" if partial else "rewarded"
     return outcome.kind
 
 
@@ -108,7 +109,7 @@ class _LocalRun:
         # (key, answer time) of waited-for answers -> labels, and reward assignments that fit
         self._active_before: set[int] = set()
         self._published: dict[tuple[Any, ...], set[str]] = {}
-        self._assignments: dict[tuple[Any, ...], set[tuple[int, ...]]] = {}
+        self._assignments: dict[tuple[Any, ...], set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     def violation(self, text: str) -> None:
         self.report.violations.append(f"op {self.op_index}: {text}")
@@ -146,7 +147,7 @@ class _LocalRun:
         if elapsed > bound:
             self.violation(f"{label}: answered after {elapsed:.3f} s (> {bound:g} s deadlines)")
         if isinstance(outcome, Rewarded):
-            self.check_reward(req, outcome.reward, label)
+            self.check_reward(req, outcome, label)
             return
         if not isinstance(outcome, Failure):
             self.violation(f"{label}: answer {outcome!r} is neither a reward nor a Failure")
@@ -212,31 +213,78 @@ class _LocalRun:
             if waiting:
                 self.violation(f"{label}: 'overloaded' for a member of an active cohort "
                                f"(request {waiting[0]} waits on it)")
+        elif kind == "cohort_closed":
+            if not (explicit and self.schedule.partial):
+                self.violation(f"{label}: 'cohort_closed' without incomplete_cohort_policy "
+                               "judge_present for an explicit group")
+            elif not any(r.key == req.key and now - r.sent_at >= COLLECTION_TIMEOUT_S - 1e-9
+                         for r in self._earlier(req)):
+                self.violation(f"{label}: 'cohort_closed' but no member of the cohort was sent "
+                               "a collection deadline ago")
         elif kind == "cancelled":
             self.violation(f"{label}: 'cancelled' while nothing cancelled the registry")
 
-    def reference(self, key: tuple[Any, ...], prompt: int,
+    def reference(self, key: tuple[Any, ...], prompt: int, slots: tuple[int, ...],
                   variants: tuple[int, ...]) -> list[float]:
-        cache_key = (key, prompt, variants)
+        """The reference rewards of the answers ``variants`` in ``slots`` (all N, or the
+        members a partial cohort was judged over: the same computation over them alone)."""
+        cache_key = (key, prompt, slots, variants)
         cached = self._reference_cache.get(cache_key)
         if cached is None:
             group, attempt = key[1], key[-1]
-            answers = [answer_text(group, attempt, s, v) for s, v in enumerate(variants)]
+            answers = [answer_text(group, attempt, s, v)
+                       for s, v in zip(slots, variants, strict=True)]
             cached = reference_rewards(self.cfg, PROMPTS[prompt], answers)
             self._reference_cache[cache_key] = cached
         return cached
 
-    def check_reward(self, req: _Request, reward: float, label: str) -> None:
-        """The reward must come from a full cohort of answers that were sent for this key, with
-        this request's own answer in its own slot, and equal the reference for one of them."""
+    def _scored_slots(self, req: _Request, outcome: Rewarded, label: str
+                      ) -> list[tuple[int, ...]] | None:
+        """The slot sets the reward may come from: all N for a full cohort; for a partial one
+        (policy on, explicit group, at least min_cohort_members, after a collection deadline)
+        every set of ``cohort_scored`` slots holding the request's own. None: a violation."""
+        n = self.schedule.n
+        scored = outcome.cohort_scored
+        if outcome.cohort_expected != n or scored is None or not 2 <= scored <= n:
+            self.violation(f"{label}: rewarded with cohort_expected {outcome.cohort_expected}, "
+                           f"cohort_scored {scored} for a cohort of {n}")
+            return None
+        if scored == n:
+            return [tuple(range(n))]
+        cfg = self.cfg
+        minimum = cfg.min_cohort_members or n - 1
+        first = min((r.sent_at for r in self.requests if r.key == req.key),
+                    default=trio.current_time())
+        if not (self.schedule.partial and req.group < FIRST_LEGACY_GROUP):
+            self.violation(f"{label}: a partial reward ({scored} of {n}) without "
+                           "incomplete_cohort_policy judge_present for an explicit group")
+        elif scored < minimum:
+            self.violation(f"{label}: a partial reward over {scored} members, fewer than "
+                           f"min_cohort_members ({minimum})")
+        elif trio.current_time() - first < COLLECTION_TIMEOUT_S - 1e-9:
+            self.violation(f"{label}: a partial reward before any collection deadline passed")
+        else:
+            return [c for c in itertools.combinations(range(n), scored) if req.slot in c]
+        return None
+
+    def check_reward(self, req: _Request, outcome: Rewarded, label: str) -> None:
+        """The reward must come from a cohort of answers that were sent for this key (every
+        slot, or for a partial cohort the slots it says it scored), with this request's own
+        answer in its own slot, and equal the reference for one of them. A missing slot never
+        has a reward: a slot set is a candidate only if each of its slots was sent."""
+        reward = outcome.reward
         now = trio.current_time()
         candidates: list[set[int]] = [set() for _ in range(self.schedule.n)]
         for r in self.requests:
             if r.key == req.key and r.sent_at <= now:
                 candidates[r.slot].add(r.variant)
         candidates[req.slot] &= {req.variant}
-        missing = [s for s, c in enumerate(candidates) if not c]
-        if missing:
+        slot_sets = self._scored_slots(req, outcome, label)
+        if slot_sets is None:
+            return
+        complete = [s for s in slot_sets if all(candidates[slot] for slot in s)]
+        if not complete:
+            missing = [s for s, c in enumerate(candidates) if not c]
             self.violation(f"{label}: rewarded {reward!r} but slots {missing} of the cohort "
                            "were never sent with a compatible answer (incomplete cohort)")
             return
@@ -244,8 +292,10 @@ class _LocalRun:
             self.violation(f"{label}: non-finite reward {reward!r}")
             return
         fits = {
-            variants for variants in itertools.product(*(sorted(c) for c in candidates))
-            if self.reference(req.key, req.prompt, variants)[req.slot] == reward
+            (slots, variants) for slots in complete
+            for variants in itertools.product(*(sorted(candidates[s]) for s in slots))
+            if self.reference(req.key, req.prompt, slots, variants)[slots.index(req.slot)]
+            == reward
         }
         if fits:
             if now > req.sent_at:
@@ -391,9 +441,14 @@ class _LocalRun:
         eager = self.schedule.eager
         n = self.schedule.n
         sends: dict[tuple[Any, ...], list[float]] = {}
+        # Partial cohorts: a comparison may also start when a collection deadline of its key
+        # passes (the re-plan over the members present).
+        deadlines: dict[tuple[Any, ...], set[float]] = {}
         for r in self.requests:
             sends.setdefault((r.key, r.slot, r.variant), []).append(r.sent_at)
             sends.setdefault((r.key, r.slot), []).append(r.sent_at)
+            if self.schedule.partial:
+                deadlines.setdefault(r.key, set()).add(r.sent_at + COLLECTION_TIMEOUT_S)
         seen: dict[tuple[Any, ...], list[float]] = {}
         for call in self.judge.log:
             t = call.started_at
@@ -404,7 +459,11 @@ class _LocalRun:
             if any(not any(at <= t for at in times) for times in both):
                 self.violation(f"{label}: before both of its members arrived")
                 continue
-            if eager:
+            if any(abs(t - d) <= 1e-6 for d in deadlines.get(key, ())):
+                # A partial cohort's re-planned comparison, started at its deadline (the clock's
+                # jump to a deadline may land a rounding error off it).
+                pass
+            elif eager:
                 if t not in both[0] and t not in both[1]:
                     self.violation(f"{label}: not at the arrival of one of its members (late)")
             else:
@@ -478,14 +537,16 @@ class LocalSummary:
 def run_local(schedules: int, seed: int, max_ops: int = 24,
               progress: Callable[[int], None] | None = None,
               registry_factory: RegistryFactory = CohortRegistry,
-              eager: bool | None = None) -> LocalSummary:
+              eager: bool | None = None, partial: bool = False) -> LocalSummary:
     """Run ``schedules`` seeded schedules (schedule ``i`` uses seed ``seed + i``); stop at the
     first failing one, shrink it and keep its violations. Blocks (one trio run per schedule).
-    ``eager`` forces the judge schedule of every schedule (``None``: as generated)."""
+    ``eager`` forces the judge schedule of every schedule (``None``: as generated);
+    ``partial`` generates the partial-cohort family (``incomplete_cohort_policy:
+    judge_present``, groups missing a straggler)."""
     summary = LocalSummary()
     started = time.perf_counter()
     for i in range(schedules):
-        schedule = generate_schedule(random.Random(seed + i), max_ops)
+        schedule = generate_schedule(random.Random(seed + i), max_ops, partial=partial)
         if eager is not None:
             schedule = replace(schedule, eager=eager)
         report = run_schedule_sync(schedule, registry_factory)

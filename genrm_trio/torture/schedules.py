@@ -90,9 +90,14 @@ class Schedule:
     ttl_s: float | None = 30.0
     max_active: int | None = None
     judges: int = 1
+    #: ``incomplete_cohort_policy: judge_present`` (needs n >= 3) with this ``min_cohort_members``.
+    partial: bool = False
+    min_members: int | None = None
 
     def config(self) -> Config:
         return Config(
+            incomplete_cohort_policy="judge_present" if self.partial else "fail",
+            min_cohort_members=self.min_members,
             num_rollouts_per_prompt=self.n,
             comparison_strategy=self.strategy,  # type: ignore[arg-type]
             judge_schedule="eager" if self.eager else "wait_for_all",
@@ -107,13 +112,21 @@ class Schedule:
     def describe(self) -> str:
         head = (f"Schedule(n={self.n}, strategy={self.strategy!r}, eager={self.eager}, "
                 f"max_terminal={self.max_terminal}, ttl_s={self.ttl_s}, "
-                f"max_active={self.max_active}, judges={self.judges})")
+                f"max_active={self.max_active}, judges={self.judges}, "
+                f"partial={self.partial}, min_members={self.min_members})")
         return "\n".join([head, *(f"  {i:3d}. {op!r}" for i, op in enumerate(self.ops))])
 
 
-def generate_schedule(rng: random.Random, max_ops: int = 24) -> Schedule:
-    """A random schedule from ``rng`` (same seed, same schedule). Pure; never blocks."""
-    n = rng.choice((2, 2, 3))
+def generate_schedule(rng: random.Random, max_ops: int = 24,
+                      partial: bool = False) -> Schedule:
+    """A random schedule from ``rng`` (same seed, same schedule). Pure; never blocks.
+
+    ``partial``: the partial-cohort family (``incomplete_cohort_policy: judge_present``):
+    cohorts of 3 or 4, and a whole group often arrives without one straggler, which may come
+    later (then after its cohort was judged, or not). Without it the draws are as they always
+    were, so a seed keeps its schedule."""
+    n = rng.choice((3, 3, 4)) if partial else rng.choice((2, 2, 3))
+    min_members = rng.choice((None, 2)) if partial else None
     ops: list[Op] = []
     sent = 0
     for _ in range(rng.randint(1, max_ops)):
@@ -122,6 +135,14 @@ def generate_schedule(rng: random.Random, max_ops: int = 24) -> Schedule:
             group = rng.randrange(NUM_GROUPS)
             slots = list(range(n))
             rng.shuffle(slots)
+            if partial and rng.random() < 0.6:  # ... but for one straggler
+                straggler = slots.pop()
+                ops.extend(Arrive(group=group, slot=s) for s in slots)
+                if rng.random() < 0.5:
+                    ops.append(Advance(rng.choice(ADVANCES_S)))
+                    ops.append(Arrive(group=group, slot=straggler))
+                sent += len(slots)
+                continue
             ops.extend(Arrive(group=group, slot=s) for s in slots)
             sent += n
         elif roll < 0.50:
@@ -150,5 +171,5 @@ def generate_schedule(rng: random.Random, max_ops: int = 24) -> Schedule:
         ops=tuple(ops), n=n, strategy=rng.choice(("circular", "all_pairs")),
         eager=rng.random() < 0.3, max_terminal=rng.choice((2, 8)),
         ttl_s=rng.choice((30.0, 3.0, None)), max_active=rng.choice((None, None, 3)),
-        judges=rng.choice((1, 1, 2)),
+        judges=rng.choice((1, 1, 2)), partial=partial, min_members=min_members,
     )
