@@ -69,7 +69,8 @@ class Verdict(msgspec.Struct, frozen=True):
 
     ``defaulted``: the default verdict stood in because no answer parsed. ``input_tokens`` and
     ``output_tokens``: what the judge reported spending on the comparison, over all its
-    attempts (0 when it reports nothing).
+    attempts (0 when it reports nothing); ``cached_tokens``: how many of the input tokens the
+    judge reported found in its prefix cache.
     """
 
     score_1: float
@@ -78,6 +79,7 @@ class Verdict(msgspec.Struct, frozen=True):
     defaulted: bool = False
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Comparison(msgspec.Struct, frozen=True):

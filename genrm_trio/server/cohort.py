@@ -48,7 +48,7 @@ from genrm_trio.config import Config
 from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
-from genrm_trio.server.judge import GroupProgress, JudgeRequest
+from genrm_trio.server.judge import Affinity, GroupProgress, JudgeRequest
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
@@ -159,8 +159,8 @@ class Cohort:
         "key", "size", "prompt_digest", "history", "principle",
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
-        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
-        "wake",
+        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
+        "cached_tokens", "wakers", "wake", "judge_affinity",
     )
 
     def __init__(
@@ -195,6 +195,8 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
+        self.cached_tokens = 0  # of input_tokens, what the judge found in its prefix cache
+        self.judge_affinity = Affinity()  # its home endpoint under judge.routing: cohort_affinity
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -738,6 +740,7 @@ class CohortRegistry:
         except JudgeFailed as exc:
             cohort.input_tokens += exc.input_tokens
             cohort.output_tokens += exc.output_tokens
+            cohort.cached_tokens += exc.cached_tokens
             self._fail(cohort, self._judge_failure(cohort, str(exc)))
             return
         except Exception as exc:  # task boundary: any other error fails this cohort only
@@ -747,6 +750,7 @@ class CohortRegistry:
             return
         cohort.input_tokens += verdict.input_tokens
         cohort.output_tokens += verdict.output_tokens
+        cohort.cached_tokens += verdict.cached_tokens
         if cohort.phase in ACTIVE_PHASES:
             cohort.results[index] = verdict
             if len(cohort.results) == len(cohort.pairs):
@@ -810,9 +814,10 @@ class CohortRegistry:
         evaluation_s = None if evaluating_at is None else now - evaluating_at
         key = identity.describe(cohort.key)  # bounded, control characters escaped
         logger.info(
-            "%s %s after %.3f s: %s; judge tokens %d in, %d out", key,
+            "%s %s after %.3f s: %s; judge tokens %d in, %d out, %d cached", key,
             "completed" if kind == "completed" else f"failed ({kind})",
             now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
+            cohort.cached_tokens,
             extra={
                 "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
                 "members": len(cohort.members), "size": cohort.size,
@@ -823,6 +828,7 @@ class CohortRegistry:
                 "defaulted_comparisons": cohort.defaulted,
                 "judge_input_tokens": cohort.input_tokens,
                 "judge_output_tokens": cohort.output_tokens,
+                "judge_cached_tokens": cohort.cached_tokens,
                 **_rollout_ids(cohort),
             },
         )
