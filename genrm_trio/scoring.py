@@ -126,6 +126,15 @@ def comparison_pairs(n: int, strategy: str, num_judges: int) -> list[tuple[int, 
     return [(i, j, k) for k in range(num_judges) for i, j in pairs]
 
 
+def prefix_order(pairs: list[tuple[int, int, int]]) -> list[int]:
+    """Indices of ``pairs`` in the order that issues calls sharing the longest prompt prefix
+    back to back: by ``response_1``, then ``response_2``, then the judge pass (a judge prompt
+    is the history, the principle, ``response_1``, ``response_2``; passes of one pair share
+    all of it). For ``all_pairs`` every ``(i, j > i)`` of one ``i`` comes together. Issue
+    order never changes a reward (verdicts are aggregated by index). Pure."""
+    return sorted(range(len(pairs)), key=lambda index: pairs[index])
+
+
 # --------------------------------------------------------------------------------------------
 # Conversation history and response text
 # --------------------------------------------------------------------------------------------

@@ -718,8 +718,16 @@ class CohortRegistry:
             ))
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        """Start every comparison whose members are present, in prefix order (calls sharing
+        the longest prefix back to back). With ``judge.routing: cohort_affinity`` the first
+        one goes alone, a warm-up: the rest follow once it has ended (:meth:`_judge_one`), so
+        they find its prefix in the engine's cache instead of all computing it at once."""
         members = cohort.members
-        for index, (i, j, judge_idx) in enumerate(cohort.pairs):
+        warm_up = self._cfg.judge.routing == "cohort_affinity"
+        for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
+            if warm_up and cohort.started_pairs and not cohort.results:
+                return  # the warm-up call is in flight
+            i, j, judge_idx = cohort.pairs[index]
             if index in cohort.started_pairs or i not in members or j not in members:
                 continue
             cohort.started_pairs.add(index)
@@ -731,10 +739,12 @@ class CohortRegistry:
                 response_2=members[j].answer,
                 principle=cohort.principle,
                 judge_idx=judge_idx,
+                place=place,
             )
-            nursery.start_soon(self._judge_one, cohort, index, request)
+            nursery.start_soon(self._judge_one, cohort, index, request, nursery)
 
-    async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest) -> None:
+    async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest,
+                         nursery: trio.Nursery) -> None:
         try:
             verdict = await self._judge.judge_pair(request, cohort)
         except JudgeFailed as exc:
@@ -755,6 +765,8 @@ class CohortRegistry:
             cohort.results[index] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
+            elif len(cohort.results) == 1 and self._cfg.judge.routing == "cohort_affinity":
+                self._start_ready_pairs(cohort, nursery)  # the warm-up ended: fan out
 
     def _publish(self, cohort: Cohort) -> None:
         comparisons = [

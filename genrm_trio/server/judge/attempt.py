@@ -19,13 +19,16 @@ MAX_ERROR_CHARS = 600
 
 class JudgeRequest(msgspec.Struct, frozen=True):
     """One comparison: the conversation, the two final answers, the request's principle, and
-    which of ``num_judges_per_comparison`` passes this is (it varies the sampling seed)."""
+    which of ``num_judges_per_comparison`` passes this is (it varies the sampling seed).
+    ``place``: its position in its cohort's issue order (prefix order); never part of what is
+    judged, it only orders the cohort's waiting calls."""
 
     history: list[dict[str, str]]
     response_1: str
     response_2: str
     principle: str | None = None
     judge_idx: int = 0
+    place: int = 0
 
 
 class AttemptFailed(TransientJudgeError):

@@ -36,6 +36,7 @@ from collections import deque
 import trio
 
 from genrm_trio.config import Config
+from genrm_trio.server.judge.order import insert_in_place
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +129,15 @@ class Affinity:
 class SlotWaiter:
     """A call waiting for a slot of ``endpoint`` (which changes when another endpoint takes it)."""
 
-    __slots__ = ("endpoint", "tokens", "avoid", "event", "granted")
+    __slots__ = ("endpoint", "tokens", "avoid", "group", "place", "event", "granted")
 
-    def __init__(self, endpoint: Endpoint, tokens: int, avoid: object | None) -> None:
+    def __init__(self, endpoint: Endpoint, tokens: int, avoid: object | None,
+                 group: object | None = None, place: int = 0) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
         self.avoid = avoid
+        self.group = group
+        self.place = place
         self.event = trio.Event()
         self.granted = False
 
@@ -181,10 +185,11 @@ class Endpoints:
         return self._lightest(free) if free else home
 
     async def acquire(self, avoid: object | None, affinity: Affinity | None,
-                      tokens: int) -> Endpoint:
+                      tokens: int, group: object | None = None, place: int = 0) -> Endpoint:
         """``cohort_affinity``: choose the endpoint of one attempt (module docstring) and take
-        one of its slots, waiting for one in FIFO order when it has none (a waiting call may be
-        handed a slot of another endpoint). Blocks only while waiting; a cancellation removes
+        one of its slots, waiting for one in FIFO order when it has none (a group's calls in
+        their ``place`` order; a waiting call may be handed a slot of another endpoint).
+        Blocks only while waiting; a cancellation removes
         the waiter (a slot handed to it meanwhile is passed on). The caller gives the slot
         back with :meth:`release` and the same ``tokens``."""
         endpoint = self._target(avoid, affinity)
@@ -193,8 +198,9 @@ class Endpoints:
             endpoint.used += 1
             await trio.lowlevel.checkpoint()
             return endpoint
-        waiter = SlotWaiter(endpoint, tokens, avoid)
-        endpoint.queue.append(waiter)
+        waiter = SlotWaiter(endpoint, tokens, avoid, group, place)
+        insert_in_place(endpoint.queue, waiter, lambda w: w.place,
+                        lambda w: group is not None and w.group is group)
         endpoint.waiting += 1
         try:
             await waiter.event.wait()

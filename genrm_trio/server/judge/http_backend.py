@@ -92,7 +92,7 @@ class HttpBackend:
             affinity = getattr(state.group, "judge_affinity", None)
             chosen = await self._endpoints.acquire(
                 state.last_endpoint, affinity if isinstance(affinity, Affinity) else None,
-                tokens)
+                tokens, state.group, request.place)
             state.last_endpoint = chosen
             chosen.picks += 1
             try:

@@ -217,7 +217,7 @@ class Judge:
 
     async def _attempt(self, request: JudgeRequest, attempt: int, state: PairState,
                        group: GroupProgress | None) -> str:
-        async with self._limiter.slot(group):
+        async with self._limiter.slot(group, request.place):
             self.stats.calls += 1
             started = trio.current_time()
             ok = False
