@@ -90,6 +90,8 @@ MAX_COMPARE_RESPONSES = 4096
 _NEMO_MARKER_KEYS = frozenset({"genrm_model_server", "genrm_responses_create_params"})
 _NEMO_NULLABLE_KEYS = frozenset({"host", "port"})
 _MAX_CONNECTIONS_PER_CLIENT = 16
+#: Upper bound of ``judge.affinity_spill_factor`` (lower: 1, spill as soon as above the mean).
+MAX_AFFINITY_SPILL_FACTOR = 16.0
 #: How an ``auto``-able key's values are named in its errors.
 _AUTO_EXPECTED = MappingProxyType({
     "max_active_bytes": "an integer, 'auto' or null",
@@ -134,6 +136,8 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     prompt_template_file: str | None = None
     structured_output: Literal["none", "json_schema", "json_object"] = "none"
     seed: Literal["none", "content"] = "none"
+    routing: Literal["least_loaded", "cohort_affinity"] = "least_loaded"
+    affinity_spill_factor: float = 1.5
 
     def __post_init__(self) -> None:
         _validate_judge(self)
@@ -384,6 +388,9 @@ def _validate_judge(judge: JudgeConfig) -> None:
     _choice("judge.structured_output", judge.structured_output,
             ("none", "json_schema", "json_object"))
     _choice("judge.seed", judge.seed, ("none", "content"))
+    _choice("judge.routing", judge.routing, ("least_loaded", "cohort_affinity"))
+    _number("judge.affinity_spill_factor", judge.affinity_spill_factor, ge=1.0,
+            le=MAX_AFFINITY_SPILL_FACTOR)
     _non_empty("judge.prompt_template_file", judge.prompt_template_file, nullable=True)
     if judge.prompt_template_file is not None:
         if judge.prompt != "plain":

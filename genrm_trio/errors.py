@@ -85,11 +85,14 @@ class FatalJudgeError(JudgeError):
 
 class JudgeFailed(JudgeError):
     """A comparison failed for good; the cohort is masked with this text. ``input_tokens`` and
-    ``output_tokens``: what the judge reported spending on it before it failed."""
+    ``output_tokens``: what the judge reported spending on it before it failed (``cached_tokens``
+    of the input found in its prefix cache)."""
 
-    def __init__(self, message: str, input_tokens: int = 0, output_tokens: int = 0) -> None:
+    def __init__(self, message: str, input_tokens: int = 0, output_tokens: int = 0,
+                 cached_tokens: int = 0) -> None:
         self.input_tokens = input_tokens
         self.output_tokens = output_tokens
+        self.cached_tokens = cached_tokens
         super().__init__(message)
 
 

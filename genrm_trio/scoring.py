@@ -69,7 +69,8 @@ class Verdict(msgspec.Struct, frozen=True):
 
     ``defaulted``: the default verdict stood in because no answer parsed. ``input_tokens`` and
     ``output_tokens``: what the judge reported spending on the comparison, over all its
-    attempts (0 when it reports nothing).
+    attempts (0 when it reports nothing); ``cached_tokens``: how many of the input tokens the
+    judge reported found in its prefix cache.
     """
 
     score_1: float
@@ -78,6 +79,7 @@ class Verdict(msgspec.Struct, frozen=True):
     defaulted: bool = False
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Comparison(msgspec.Struct, frozen=True):
@@ -122,6 +124,15 @@ def comparison_pairs(n: int, strategy: str, num_judges: int) -> list[tuple[int, 
     else:
         pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
     return [(i, j, k) for k in range(num_judges) for i, j in pairs]
+
+
+def prefix_order(pairs: list[tuple[int, int, int]]) -> list[int]:
+    """Indices of ``pairs`` in the order that issues calls sharing the longest prompt prefix
+    back to back: by ``response_1``, then ``response_2``, then the judge pass (a judge prompt
+    is the history, the principle, ``response_1``, ``response_2``; passes of one pair share
+    all of it). For ``all_pairs`` every ``(i, j > i)`` of one ``i`` comes together. Issue
+    order never changes a reward (verdicts are aggregated by index). Pure."""
+    return sorted(range(len(pairs)), key=lambda index: pairs[index])
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from genrm_trio.server.judge import (
     parse_retry_after,
     responses_body,
 )
-from genrm_trio.server.judge.answers import usage_of
+from genrm_trio.server.judge.answers import cached_of, usage_of
 
 VERDICT_TEXT = 'thinking...\n```json\n{"score_1": 4, "score_2": 2, "ranking": 2}\n```'
 VERDICT = scoring.Verdict(4.0, 2.0, 2.0)
@@ -580,6 +580,8 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
         "max_concurrency": None,
         "input_tokens": 0,
         "output_tokens": 0,
+        "cached_tokens": 0,
+        "outstanding_tokens": 0,
     }
     assert status["limiter"] == {"in_use": 0, "total": 1024, "waiting": 0,
                                  "order": "complete_group"}
@@ -982,9 +984,12 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                     "max_concurrency": None,
                     "input_tokens": 0,
                     "output_tokens": 0,
+                    "cached_tokens": 0,
+                    "outstanding_tokens": 0,
                 }
                 for u in (URL_A, URL_B)
             ],
+            "routing": "least_loaded",
         }
 
 
@@ -1126,6 +1131,46 @@ async def test_usage_of_a_failed_comparison_travels_with_its_failure(
 ])
 def test_usage_fields_are_read_defensively(usage: Any, expected: tuple[int, int]) -> None:
     assert usage_of({"usage": usage}) == expected
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": 96}}}, (96, 0)),  # vLLM, SGLang
+    ({"usage": {"input_tokens_details": {"cached_tokens": 32}}}, (32, 0)),  # Responses
+    ({"timings": {"cache_n": 80, "prompt_n": 20}}, (80, 100)),  # llama.cpp server
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": 5}},
+      "timings": {"cache_n": 9, "prompt_n": 1}}, (5, 10)),
+    ({"usage": {"prompt_tokens_details": None}}, (0, 0)),
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": -3}}}, (0, 0)),
+    ({"timings": {"cache_n": "many", "prompt_n": True}}, (0, 0)),
+    ({"timings": []}, (0, 0)),
+    ([], (0, 0)),
+])
+def test_cached_tokens_are_read_from_each_servers_report(body: Any,
+                                                         expected: tuple[int, int]) -> None:
+    assert cached_of(body) == expected
+
+
+async def test_cached_tokens_are_summed_over_attempts_and_travel_with_a_failure(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    def cached(n: int, finish: str = "stop") -> httpx2.Response:
+        body = chat_with_usage(100, 5, finish).json()
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": n}
+        return httpx2.Response(200, json=body)
+
+    script = Script(cached(64, "length"), cached(80))
+    async with open_judge(make_cfg({"api": "chat"}), transport=transport(script),
+                          rng=MaxRng()) as judge:
+        verdict = await judge.judge_pair(REQUEST)
+        endpoint = judge.status()["endpoints"][0]
+    assert verdict.cached_tokens == 144
+    assert judge.stats.cached_tokens == 144 and endpoint["cached_tokens"] == 144
+    cut = Script(*[cached(16, "length")] * 4)
+    async with open_judge(make_cfg({"api": "chat"}), transport=transport(cut),
+                          rng=MaxRng()) as judge:
+        with pytest.raises(JudgeFailed) as info:
+            await judge.judge_pair(REQUEST)
+    assert info.value.cached_tokens == 64
 
 
 # ---------------------------------------------------------------------------------------------

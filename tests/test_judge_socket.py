@@ -181,3 +181,34 @@ async def test_plain_prompt_with_a_one_at_a_time_server_rewards_everyone(
     assert [out["mask_sample"] for out in outs] == [False] * 4, outs[0].get("failure_reason")
     assert [out["genrm_defaulted_comparisons"] for out in outs] == [0] * 4
     assert stack.state.max_in_flight == 1 and stack.state.calls == 4
+
+
+# -- what the judge saved: cached prompt tokens (issue 18 item 4) ----------------------------
+
+
+@pytest.mark.parametrize(("api", "report"), [
+    ("chat", "usage"), ("responses", "usage"), ("chat", "timings"),
+])
+async def test_cached_prompt_tokens_are_summed_per_endpoint_and_cohort(
+    server_nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, api: str, report: str,
+) -> None:
+    caplog.set_level(logging.INFO, logger="genrm_trio.server.cohort")
+    settings = MockJudgeSettings(prefix_cache_tokens=16_384, cache_report=report)  # type: ignore[arg-type]
+    stack = await start_stack(server_nursery, settings, judge={"api": api},
+                              num_rollouts_per_prompt=4, judge_max_concurrency=1)
+    await run_cohort(stack.url, f"cached-{api}-{report}", size=4)
+    # one call at a time: every call after the first finds the shared history cached
+    assert stack.state.cached_tokens > 0
+    [line] = [r.getMessage() for r in caplog.records if "completed after" in r.getMessage()]
+    match = re.search(r"judge tokens (\d+) in, (\d+) out, (\d+) cached", line)
+    assert match is not None
+    assert int(match[3]) == stack.state.cached_tokens
+    assert int(match[1]) == stack.state.prompt_tokens
+    async with httpx2.AsyncClient(base_url=stack.url) as client:
+        status = (await client.get("/status")).json()
+        metrics = (await client.get("/metrics")).text
+    endpoint = status["judge"]["endpoints"][0]
+    assert endpoint["cached_tokens"] == stack.state.cached_tokens
+    assert f'genrm_judge_endpoint_cached_tokens_total{{endpoint="{endpoint["url"]}"}} ' \
+           f'{float(stack.state.cached_tokens)}' in metrics
+    assert f"genrm_judge_cached_tokens_total {float(stack.state.cached_tokens)}" in metrics

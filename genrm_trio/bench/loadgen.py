@@ -230,7 +230,8 @@ def _text(rng: random.Random, n_chars: int) -> str:
 
 
 class BodyFactory:
-    """Realistic ``/verify`` bodies: a ~500-character prompt, a 1-2 KB answer, optional reasoning.
+    """Realistic ``/verify`` bodies: a ~500-character prompt, a 1-2 KB answer, optional reasoning
+    (``prompt_chars`` and ``answer_chars``, a range, change the sizes).
 
     ``id_mode`` ``explicit`` sends ``_ng_group_id``/``_ng_group_attempt``; ``legacy`` sends only
     ``_ng_task_index`` (the cohort key is then task index plus prompt digest). Pure: no I/O.
@@ -238,7 +239,8 @@ class BodyFactory:
     """
 
     def __init__(
-        self, *, seed: int, id_mode: str = "explicit", reasoning: bool = False, run_tag: str = ""
+        self, *, seed: int, id_mode: str = "explicit", reasoning: bool = False, run_tag: str = "",
+        prompt_chars: int = 470, answer_chars: tuple[int, int] = (1024, 2048),
     ) -> None:
         if id_mode not in ("explicit", "legacy"):
             raise ValueError(f"id_mode must be explicit or legacy, got {id_mode!r}")
@@ -246,9 +248,9 @@ class BodyFactory:
         self.reasoning = reasoning
         self.run_tag = run_tag or f"{seed}"
         self._rng = random.Random(seed)
-        self._answers = [_text(self._rng, self._rng.randint(1024, 2048)) for _ in range(64)]
+        self._answers = [_text(self._rng, self._rng.randint(*answer_chars)) for _ in range(64)]
         self._reasonings = [_text(self._rng, self._rng.randint(512, 1024)) for _ in range(16)]
-        self._prompt_tail = _text(self._rng, 470)
+        self._prompt_tail = _text(self._rng, prompt_chars)
         self._encoder = msgspec.json.Encoder()
 
     def member(self, cohort: int, index: int) -> bytes:

@@ -12,6 +12,7 @@ from typing import Any
 
 from genrm_trio.bench.cases import step
 from genrm_trio.bench.cases.admission import admission_case
+from genrm_trio.bench.cases.economy import economy_cases
 from genrm_trio.bench.cases.flood import flood_case
 from genrm_trio.bench.cases.judge_client import judge_client_case
 from genrm_trio.bench.cases.load import load_case, staggered_case
@@ -88,6 +89,7 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     ],
     "soak": lambda: [soak_preset()],
     "flood": _flood_cases,
+    "economy": economy_cases,
 })
 
 
@@ -99,6 +101,12 @@ NOT_IN_ALL = frozenset({"smoke", "soak", "flood"})
 
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "economy": tuple(
+        f"{routing}:{name}" for name in ("verifies_per_s", "makespan_s", "computed_tokens",
+                                         "over_minimum", "cached_fraction", "judge_busy_s",
+                                         "load_max_over_mean")
+        for routing in ("least_loaded", "cohort_affinity")
+    ) + ("computed_ratio", "makespan_ratio", "rewards_equal"),
     "throughput": (
         "loadgen_cpu_pct",
         "verifies_per_s",

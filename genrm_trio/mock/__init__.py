@@ -5,6 +5,7 @@ mock policy), nothing from ``server``.
 The parts, lowest first (each imports only those above it)::
 
     http.py       h11 plumbing: routes, one request, JSON and error bodies, send_response
+    prefix_cache.py  the engine's prefix cache model: tokenizer rule, chained block keys, LRU
     faults.py     Fault, the random mix, the text faults and the wire faults (answer_with_fault)
     settings.py   MockJudgeSettings (validated) and MockJudgeState (counters, the fault plan)
     inputs.py     what a judge call asks, read from a Responses or Chat Completions body

@@ -16,6 +16,7 @@ import yaml
 from genrm_trio.errors import ConfigError
 from genrm_trio.mock.faults import Fault
 from genrm_trio.mock.judge import run_mock_judge
+from genrm_trio.mock.prefix_cache import PREFIX_CACHE_SIZES
 from genrm_trio.mock.settings import MockJudgeSettings, settings_from_mapping
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def _settings_from_cli(
     capacity: int | None,
     fault: str | None,
     fault_count: int | None,
+    prefix_cache: str | None = None,
 ) -> MockJudgeSettings:
     """File, then ``--set`` items, then the explicit flags, the later winning."""
     values = _load_yaml_settings(config_path) if config_path else {}
@@ -71,9 +73,22 @@ def _settings_from_cli(
         "capacity": capacity,
         "fault": fault,
         "fault_count": fault_count,
+        "prefix_cache_tokens": _prefix_cache_size(prefix_cache),
     }
     values.update({k: v for k, v in flags.items() if v is not None})
     return settings_from_mapping(values)
+
+
+def _prefix_cache_size(value: str | None) -> int | str | None:
+    """``--prefix-cache``: ``off``, ``small``, ``large`` or a number of tokens."""
+    if value is None or value in PREFIX_CACHE_SIZES:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError("prefix_cache_tokens",
+                          f"--prefix-cache must be off, small, large or a token count, "
+                          f"got {value!r}") from None
 
 
 async def _serve_until_signal(settings: MockJudgeSettings) -> int:
@@ -105,6 +120,8 @@ def _fail(code: int, message: str) -> NoReturn:
 @click.option("--capacity", type=int, default=None, help="At most this many calls at once.")
 @click.option("--fault", default=None, help="Fault: " + ", ".join(f.value for f in Fault) + ".")
 @click.option("--fault-count", type=int, default=None, help="Fault only the first N calls.")
+@click.option("--prefix-cache", default=None, metavar="SIZE",
+              help="Prefix cache model: off, small (16,384 tokens), large (1,048,576) or tokens.")
 def mock_judge_cli(
     host: str | None,
     port: int | None,
@@ -114,6 +131,7 @@ def mock_judge_cli(
     capacity: int | None,
     fault: str | None,
     fault_count: int | None,
+    prefix_cache: str | None,
 ) -> None:
     """Run the fault-injecting mock GenRM judge until SIGTERM (exit 0) or Ctrl-C (exit 130).
 
@@ -130,6 +148,7 @@ def mock_judge_cli(
             capacity=capacity,
             fault=fault,
             fault_count=fault_count,
+            prefix_cache=prefix_cache,
         )
     except ConfigError as exc:
         _fail(2, str(exc))

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from genrm_trio import scoring
+from genrm_trio.mock.prefix_cache import render_prompt
 from genrm_trio.mock.settings import MockJudgeSettings
 
 
@@ -22,7 +23,8 @@ class BadJudgeRequest(Exception):
 
 class JudgeInput(msgspec.Struct, frozen=True):
     """What a judge call asks: the comparison, the model, the output budget (tokens, None:
-    unlimited) and the structured-output format (None: free text)."""
+    unlimited) and the structured-output format (None: free text). ``prompt``: the prompt as
+    the engine would tokenize it (:func:`~genrm_trio.mock.prefix_cache.render_prompt`)."""
 
     history: list[dict[str, str]]
     response_1: str
@@ -32,6 +34,7 @@ class JudgeInput(msgspec.Struct, frozen=True):
     max_tokens: int | None = None
     output_format: dict[str, Any] | None = None
     plain_prompt: str | None = None  # a request without GenRM roles: its whole prompt text
+    prompt: bytes = b""
 
 
 _STANDARD_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
@@ -111,6 +114,7 @@ def _plain_input(messages: list[dict[str, str]], body: dict[str, Any],
         [{"role": "user", "content": conversation}], sections.get("response_1", ""),
         sections.get("response_2", ""), None, _model_of(body), max_tokens, output_format,
         plain_prompt=None if "response_1" in sections and "response_2" in sections else text,
+        prompt=render_prompt((m["role"], m["content"]) for m in messages),
     )
 
 
@@ -149,7 +153,11 @@ def responses_input(body: Any, settings: MockJudgeSettings) -> JudgeInput:
     if principle is not None and not isinstance(principle, str):
         raise BadJudgeRequest("metadata.principle must be a string")
     history = scoring.conversation_history(raw_input)
-    return JudgeInput(history, r1, r2, principle, _model_of(body), max_tokens, output_format)
+    tail = [("principle", principle)] if principle is not None else []
+    tail += [("response_1", r1), ("response_2", r2)]
+    rendered = render_prompt([*((m["role"], m["content"]) for m in history), *tail])
+    return JudgeInput(history, r1, r2, principle, _model_of(body), max_tokens, output_format,
+                      prompt=rendered)
 
 
 def chat_input(body: Any, settings: MockJudgeSettings) -> JudgeInput:
@@ -160,6 +168,7 @@ def chat_input(body: Any, settings: MockJudgeSettings) -> JudgeInput:
     history: list[dict[str, str]] = []
     special: dict[str, str] = {}
     roles: list[str] = []
+    in_order: list[tuple[str, str]] = []
     for message in body["messages"]:
         if not isinstance(message, dict):
             raise BadJudgeRequest("every message must be an object")
@@ -167,6 +176,7 @@ def chat_input(body: Any, settings: MockJudgeSettings) -> JudgeInput:
         role = role if isinstance(role, str) else "user"
         roles.append(role)
         text = _text_of(message.get("content"))
+        in_order.append((role, text))
         if role in _GENRM_ROLES:
             special[role] = text
         else:
@@ -189,4 +199,5 @@ def chat_input(body: Any, settings: MockJudgeSettings) -> JudgeInput:
         _model_of(body),
         max_tokens,
         output_format,
+        prompt=render_prompt(in_order),
     )

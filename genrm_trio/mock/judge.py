@@ -11,7 +11,8 @@ on the wire, which a web framework would hide or repair.
 
     run_mock_judge(settings, state=...)      one listener, one task per connection (keep-alive)
       +-- connection task                    h11 request loop
-            +-- judge call                   count, pick fault, [capacity] latency, answer/fault
+            +-- judge call                   count, pick fault, [capacity] latency, prefix
+                                             cache and per-token time, answer/fault
             +-- /health, /admin/*            stats, fault plan, reset (not counted as calls)
 
 Layering: this package is a tool. It imports the pure core (``scoring``, ``errors``,
@@ -41,19 +42,23 @@ from genrm_trio.mock.http import (
     send_response,
 )
 from genrm_trio.mock.inputs import BadJudgeRequest, JudgeInput, chat_input, responses_input
+from genrm_trio.mock.prefix_cache import PrefixCache, block_keys, prompt_tokens
 from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
-from genrm_trio.mock.verdicts import answer_body
+from genrm_trio.mock.verdicts import answer_body, answer_text, output_tokens
 
 log = logging.getLogger(__name__)
 _BACKLOG = 4096
+_REFUSED = frozenset({Fault.HTTP_503, Fault.HTTP_429, Fault.HTTP_408, Fault.RESET})
 
 
 class _Server:
-    """One running mock judge: settings, shared state, the capacity limiter."""
+    """One running mock judge: settings, shared state, the capacity limiter, the prefix cache
+    (one per mock judge: each process or port is one engine)."""
 
     def __init__(self, settings: MockJudgeSettings, state: MockJudgeState) -> None:
         self.settings = settings
         self.state = state
+        self.cache = PrefixCache(settings.prefix_cache_tokens)
         self.limiter = (
             trio.CapacityLimiter(settings.capacity) if settings.capacity is not None else None
         )
@@ -152,6 +157,7 @@ class _Server:
             body = json_encode(self.state.snapshot())
         elif path == "/admin/reset" and method == b"POST":
             self.state.reset()
+            self.cache.clear()
             body = json_encode(self.state.snapshot())
         else:
             await send_response(stream, conn, 404, error_body(404, f"no route {path}"))
@@ -223,15 +229,34 @@ class _Server:
             state.max_in_flight = state.in_flight
         state.notify()
         started = trio.current_time()
+        settings = self.settings
         try:
-            delay = self.settings.latency_s
-            if self.settings.latency_jitter_s > 0:
-                delay += state.rng.uniform(0.0, self.settings.latency_jitter_s)
+            delay = settings.latency_s
+            if settings.latency_jitter_s > 0:
+                delay += state.rng.uniform(0.0, settings.latency_jitter_s)
+            # The engine: find the cached prefix, compute the rest (its blocks are reusable
+            # from then on), then decode. A refused call (an error status, a reset) runs none.
+            engine = fault not in _REFUSED
+            keys = block_keys(judged.prompt) if engine else []
+            tokens = prompt_tokens(judged.prompt)
+            cached = self.cache.lookup(keys, tokens) if engine else 0
+            if engine:
+                delay += (tokens - cached) * settings.prompt_token_s
             if delay > 0:
                 await trio.sleep(delay)
+            answer = answer_text(fault, judged)
+            if engine:
+                self.cache.insert(keys)
+                decoded = output_tokens(answer[0])
+                if decoded * settings.output_token_s > 0:
+                    await trio.sleep(decoded * settings.output_token_s)
+                state.prompt_tokens += tokens
+                state.cached_tokens += cached
+                state.output_tokens += decoded
             return await answer_with_fault(
                 stream, conn, fault,
-                lambda: answer_body(request.path, fault, judged, call_no, len(request.body)),
+                lambda: answer_body(request.path, answer, judged, call_no, tokens, cached,
+                                    settings.cache_report),
                 retry_after_s=self.settings.retry_after_s,
                 trickle_interval_s=self.settings.trickle_interval_s,
             )

@@ -15,6 +15,11 @@ import trio
 from genrm_trio.errors import ConfigError
 from genrm_trio.mock.faults import RANDOM_MIX, Fault
 from genrm_trio.mock.http import JUDGE_PATHS
+from genrm_trio.mock.prefix_cache import PREFIX_CACHE_SIZES
+
+#: Bounds of the prefix-cache model's settings.
+MAX_PREFIX_CACHE_TOKENS = 2**30
+MAX_TOKEN_S = 1.0
 
 
 class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -43,6 +48,17 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     (chat) or ``text.format`` (responses) of type ``json_schema`` or ``json_object`` is checked
     (400 if malformed) and honoured: the answer is the bare verdict JSON, its values moved onto
     the schema's ``enum`` when it has one.
+
+    The engine model (:mod:`genrm_trio.mock.prefix_cache`): ``prefix_cache_tokens`` (0: off,
+    at most 2**30; ``small`` and ``large`` name 16,384 and 1,048,576) is the capacity of the
+    prefix cache in tokens. Each call spends ``prompt_token_s`` per computed (not cached)
+    prompt token, then its blocks enter the cache, then ``output_token_s`` per output token
+    (both in [0, 1]), on top of ``latency_s``, inside the capacity limit. ``cache_report``:
+    how the answer reports cached tokens: ``usage`` (OpenAI and vLLM:
+    ``usage.prompt_tokens_details.cached_tokens`` in chat,
+    ``usage.input_tokens_details.cached_tokens`` in responses), ``timings`` (llama.cpp's
+    server: ``timings.cache_n`` cached and ``timings.prompt_n`` computed), ``both``, or
+    ``none`` (a server that reports nothing).
     """
 
     host: str = "127.0.0.1"
@@ -58,8 +74,20 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     trickle_interval_s: float = 0.5
     roles: Literal["genrm", "standard"] = "genrm"
     accept_json_schema: bool = True
+    prefix_cache_tokens: int = 0
+    prompt_token_s: float = 0.0
+    output_token_s: float = 0.0
+    cache_report: Literal["usage", "timings", "both", "none"] = "usage"
 
     def __post_init__(self) -> None:
+        if not 0 <= self.prefix_cache_tokens <= MAX_PREFIX_CACHE_TOKENS:
+            raise ConfigError("prefix_cache_tokens",
+                              f"must be in 0..{MAX_PREFIX_CACHE_TOKENS} (or small, large, off), "
+                              f"got {self.prefix_cache_tokens!r}")
+        for key in ("prompt_token_s", "output_token_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and 0 <= value <= MAX_TOKEN_S):
+                raise ConfigError(key, f"must be in [0, {MAX_TOKEN_S:g}], got {value!r}")
         for key in ("latency_s", "latency_jitter_s", "retry_after_s", "trickle_interval_s"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
@@ -90,6 +118,9 @@ def settings_from_mapping(values: dict[str, Any]) -> MockJudgeSettings:
     if "fault" in fixed and not isinstance(fixed["fault"], str):
         # YAML reads `fault: 503` as an int; the enum's values are strings.
         fixed["fault"] = str(fixed["fault"])
+    size = fixed.get("prefix_cache_tokens")
+    if isinstance(size, str) and size in PREFIX_CACHE_SIZES:
+        fixed["prefix_cache_tokens"] = PREFIX_CACHE_SIZES[size]
     try:
         return msgspec.convert(fixed, MockJudgeSettings)
     except msgspec.ValidationError as exc:
@@ -107,7 +138,8 @@ class MockJudgeState:
     received (admin and health requests are not counted); ``in_flight`` are calls being served
     inside the capacity limit, ``queued`` those waiting for it; ``busy_s`` sums the seconds
     calls spent inside the capacity limit (busy time, for utilisation); ``connections`` counts
-    accepted connections.
+    accepted connections. ``prompt_tokens`` and ``cached_tokens`` sum what answered calls
+    were charged and found in the prefix cache (``computed_tokens``: the difference).
     """
 
     def __init__(
@@ -127,6 +159,9 @@ class MockJudgeState:
         self.busy_s = 0.0
         self.queued = 0
         self.connections = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.output_tokens = 0
         self._changed = trio.lowlevel.ParkingLot()
         self.fault = Fault.NONE
         self.fault_remaining: int | None = None
@@ -164,6 +199,9 @@ class MockJudgeState:
         self.faults_injected = {}
         self.max_in_flight = self.in_flight
         self.busy_s = 0.0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.output_tokens = 0
         self.set_fault(Fault.NONE, None)
 
     def notify(self) -> None:
@@ -205,6 +243,10 @@ class MockJudgeState:
             "busy_s": self.busy_s,
             "queued": self.queued,
             "connections": self.connections,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.prompt_tokens - self.cached_tokens,
+            "output_tokens": self.output_tokens,
             "fault": self.fault.value,
             "fault_remaining": self.fault_remaining,
             "fault_rate": self.fault_rate,

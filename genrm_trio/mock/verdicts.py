@@ -72,27 +72,55 @@ def _tokens(text: str) -> int:
     return len(text) // 4 + 1
 
 
-def answer_body(
-    path: str, fault: Fault, judged: JudgeInput, call_no: int, request_bytes: int
-) -> bytes:
+def answer_text(fault: Fault, judged: JudgeInput) -> tuple[str, bool]:
+    """The answer's text and whether it stops short (``incomplete``): an ``incomplete`` fault,
+    or an answer longer than the request's output budget, cut there as a server does."""
     text = _answer_text(fault, judged)
     incomplete = fault is Fault.INCOMPLETE
     if judged.max_tokens is not None and _tokens(text) > judged.max_tokens:
         # The output budget ran out: what fits, and the server says it stopped for length.
         text = text[: max(0, judged.max_tokens * 4 - 1)]
         incomplete = True
+    return text, incomplete
+
+
+def output_tokens(text: str) -> int:
+    """Output tokens the mock charges for an answer text (4 characters a token, plus one)."""
+    return _tokens(text)
+
+
+def answer_body(
+    path: str, answer: tuple[str, bool], judged: JudgeInput, call_no: int,
+    prompt_tokens: int, cached_tokens: int = 0, cache_report: str = "usage",
+) -> bytes:
+    """The API's answer object for ``answer`` (from :func:`answer_text`), its ``usage`` saying
+    ``prompt_tokens`` of which ``cached_tokens`` came from the prefix cache, reported as
+    ``cache_report`` asks (``usage``, ``timings``, ``both``, ``none``)."""
+    text, incomplete = answer
     status = "incomplete" if incomplete else "completed"
-    input_tokens = request_bytes // 4
-    output_tokens = _tokens(text)
+    out_tokens = _tokens(text)
     now = int(time.time())
+    in_usage = cache_report in ("usage", "both")
+    timings = None
+    if cache_report in ("timings", "both"):
+        # llama.cpp's server: prompt_n tokens computed, cache_n reused from its slot's cache.
+        timings = {"cache_n": cached_tokens, "prompt_n": prompt_tokens - cached_tokens,
+                   "predicted_n": out_tokens}
     if path == RESPONSES_PATH:
-        return json_encode(responses_object(
+        body = responses_object(
             ident=f"resp_mock_{call_no:08d}", model=judged.model, created_at=now,
             status=status, output=[output_message(f"msg_mock_{call_no:08d}", text, status)],
-            input_tokens=input_tokens, output_tokens=output_tokens,
-        ))
-    return json_encode(chat_completion(
-        ident=f"chatcmpl-mock-{call_no:08d}", model=judged.model, created=now, text=text,
-        finish_reason="length" if incomplete else "stop", prompt_tokens=input_tokens,
-        completion_tokens=output_tokens,
-    ))
+            input_tokens=prompt_tokens, output_tokens=out_tokens,
+            input_tokens_details={"cached_tokens": cached_tokens if in_usage else 0},
+        )
+    else:
+        body = chat_completion(
+            ident=f"chatcmpl-mock-{call_no:08d}", model=judged.model, created=now, text=text,
+            finish_reason="length" if incomplete else "stop", prompt_tokens=prompt_tokens,
+            completion_tokens=out_tokens,
+        )
+        if in_usage:
+            body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if timings is not None:
+        body["timings"] = timings
+    return json_encode(body)

@@ -49,7 +49,7 @@ from genrm_trio.config import Config, min_members_present
 from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
-from genrm_trio.server.judge import GroupProgress, JudgeRequest
+from genrm_trio.server.judge import Affinity, GroupProgress, JudgeRequest
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
@@ -168,8 +168,9 @@ class Cohort:
         "key", "size", "prompt_digest", "history", "principle",
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
-        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
-        "wake", "scored", "pair_scopes", "dropped_pairs",
+        "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
+        "cached_tokens", "wakers", "wake", "scored", "pair_scopes", "dropped_pairs",
+        "judge_affinity",
     )
 
     def __init__(
@@ -212,6 +213,8 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
+        self.cached_tokens = 0  # of input_tokens, what the judge found in its prefix cache
+        self.judge_affinity = Affinity()  # its home endpoint under judge.routing: cohort_affinity
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -789,8 +792,16 @@ class CohortRegistry:
             len(present), cfg.comparison_strategy, cfg.num_judges_per_comparison)]
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        """Start every comparison whose members are present, in prefix order (calls sharing
+        the longest prefix back to back). With ``judge.routing: cohort_affinity`` the first
+        one goes alone, a warm-up: the rest follow once it has ended (:meth:`_judge_one`), so
+        they find its prefix in the engine's cache instead of all computing it at once."""
         members = cohort.members
-        for pair in cohort.pairs:
+        warm_up = self._cfg.judge.routing == "cohort_affinity"
+        for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
+            if warm_up and cohort.started_pairs and not cohort.results:
+                return  # the warm-up call is in flight
+            pair = cohort.pairs[index]
             i, j, judge_idx = pair
             if pair in cohort.started_pairs or i not in members or j not in members:
                 continue
@@ -803,13 +814,14 @@ class CohortRegistry:
                 response_2=members[j].answer,
                 principle=cohort.principle,
                 judge_idx=judge_idx,
+                place=place,
             )
             # Made here, not in the task: a re-plan may cancel it before the task first runs.
             scope = cohort.pair_scopes[pair] = trio.CancelScope()
-            nursery.start_soon(self._judge_one, cohort, pair, request, scope)
+            nursery.start_soon(self._judge_one, cohort, pair, request, scope, nursery)
 
     async def _judge_one(self, cohort: Cohort, pair: tuple[int, int, int], request: JudgeRequest,
-                         scope: trio.CancelScope) -> None:
+                         scope: trio.CancelScope, nursery: trio.Nursery) -> None:
         try:
             with scope:
                 verdict = await self._judge.judge_pair(request, cohort)
@@ -818,6 +830,7 @@ class CohortRegistry:
         except JudgeFailed as exc:
             cohort.input_tokens += exc.input_tokens
             cohort.output_tokens += exc.output_tokens
+            cohort.cached_tokens += exc.cached_tokens
             self._fail(cohort, self._judge_failure(cohort, str(exc)))
             return
         except Exception as exc:  # task boundary: any other error fails this cohort only
@@ -830,10 +843,13 @@ class CohortRegistry:
                 del cohort.pair_scopes[pair]
         cohort.input_tokens += verdict.input_tokens
         cohort.output_tokens += verdict.output_tokens
+        cohort.cached_tokens += verdict.cached_tokens
         if cohort.phase in ACTIVE_PHASES and pair in cohort.started_pairs:
             cohort.results[pair] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
+            elif len(cohort.results) == 1 and self._cfg.judge.routing == "cohort_affinity":
+                self._start_ready_pairs(cohort, nursery)  # the warm-up ended: fan out
 
     def _publish(self, cohort: Cohort) -> None:
         """Aggregate over the members judged (all N, or a partial cohort's present ones, in
@@ -918,8 +934,9 @@ class CohortRegistry:
         else:
             status = f"failed ({kind})"
         logger.info(
-            "%s %s after %.3f s: %s; judge tokens %d in, %d out", key, status,
+            "%s %s after %.3f s: %s; judge tokens %d in, %d out, %d cached", key, status,
             now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
+            cohort.cached_tokens,
             extra={
                 "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
                 "members": len(cohort.members), "size": cohort.size,
@@ -933,6 +950,7 @@ class CohortRegistry:
                 "defaulted_comparisons": cohort.defaulted,
                 "judge_input_tokens": cohort.input_tokens,
                 "judge_output_tokens": cohort.output_tokens,
+                "judge_cached_tokens": cohort.cached_tokens,
                 **_rollout_ids(cohort),
             },
         )

@@ -267,6 +267,10 @@ def _judge_families(judge: Judge) -> Iterator[Metric]:
     output_tokens = CounterMetricFamily("genrm_judge_endpoint_output_tokens",
                                         "Output (completion) tokens the judge reported, by "
                                         "endpoint.", labels=["endpoint"])
+    cached_tokens = CounterMetricFamily("genrm_judge_endpoint_cached_tokens",
+                                        "Prompt tokens the judge reported found in its prefix "
+                                        "cache (cached_tokens, llama.cpp cache_n), by endpoint.",
+                                        labels=["endpoint"])
     for endpoint in status.get("endpoints") or []:
         label = [str(endpoint.get("url", "?"))]
         in_flight.add_metric(label, float(endpoint.get("in_flight", 0)))
@@ -276,6 +280,7 @@ def _judge_families(judge: Judge) -> Iterator[Metric]:
         waiting.add_metric(label, float(endpoint.get("waiting", 0)))
         input_tokens.add_metric(label, float(endpoint.get("input_tokens", 0)))
         output_tokens.add_metric(label, float(endpoint.get("output_tokens", 0)))
+        cached_tokens.add_metric(label, float(endpoint.get("cached_tokens", 0)))
     yield in_flight
     yield consecutive
     yield cooling
@@ -283,6 +288,7 @@ def _judge_families(judge: Judge) -> Iterator[Metric]:
     yield waiting
     yield input_tokens
     yield output_tokens
+    yield cached_tokens
 
 
 __all__ = ["DURATION_BUCKETS_S", "ServerMetrics"]

@@ -13,7 +13,7 @@ Its files show its parts, top down::
               bodies.py         request bodies per API (responses, chat)
               answers.py        answer text out of each API's JSON answer
               retry_after.py    the judge's Retry-After hint
-              endpoints.py      endpoint choice and cool-down
+              endpoints.py      endpoint choice (least_loaded, cohort_affinity) and cool-down
               transport.py      what a transport is; two of them:
                 h11_pool.py       trio + h11 keep-alive pool (default; the only h11 user)
                 httpx_transport.py  httpx2 client shards (the only httpx2 user)
@@ -31,12 +31,14 @@ from genrm_trio.server.judge.answers import chat_answer, responses_answer
 from genrm_trio.server.judge.attempt import AttemptFailed, AttemptFatal, JudgeRequest
 from genrm_trio.server.judge.backends import PluginFn, load_plugin
 from genrm_trio.server.judge.bodies import base_params, chat_body, responses_body
+from genrm_trio.server.judge.endpoints import Affinity
 from genrm_trio.server.judge.h11_pool import H11Pool
 from genrm_trio.server.judge.order import JUDGE_ORDERS, GroupProgress, JudgeOrder, OrderedLimiter
 from genrm_trio.server.judge.retry import CLOSE_BOUND_S, Judge, JudgeStats, open_judge
 from genrm_trio.server.judge.retry_after import MAX_HINT_S, parse_retry_after
 
 __all__ = [
+    "Affinity",
     "CLOSE_BOUND_S",
     "MAX_HINT_S",
     "AttemptFailed",

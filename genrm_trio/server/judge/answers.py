@@ -97,6 +97,30 @@ def usage_of(body: Any) -> tuple[int, int]:
     return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
 
 
+def cached_of(body: Any) -> tuple[int, int]:
+    """``(cached, prompt)`` tokens of an answer as the judge server reports them: cached from
+    ``usage.prompt_tokens_details.cached_tokens`` (chat: OpenAI, vLLM with
+    ``--enable-prompt-tokens-details``, SGLang with ``--enable-cache-report``) or
+    ``usage.input_tokens_details.cached_tokens`` (Responses), else llama.cpp server's
+    ``timings.cache_n``; prompt from llama.cpp's ``timings`` (``cache_n + prompt_n``: computed
+    plus reused), 0 without them. 0 for what is missing or not a count. Never raises."""
+    cached = 0
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if isinstance(usage, dict):
+        for key in ("prompt_tokens_details", "input_tokens_details"):
+            details = usage.get(key)
+            if isinstance(details, dict) and "cached_tokens" in details:
+                cached = _count(details.get("cached_tokens"))
+                break
+    timings = body.get("timings") if isinstance(body, dict) else None
+    prompt = 0
+    if isinstance(timings, dict):
+        cache_n = _count(timings.get("cache_n"))
+        prompt = cache_n + _count(timings.get("prompt_n"))
+        cached = cached or cache_n
+    return cached, prompt
+
+
 def non_blank(text: str) -> str:
     """``text`` itself; raises :class:`AttemptFailed` when it is blank."""
     if not text.strip():

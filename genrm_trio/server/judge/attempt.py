@@ -19,13 +19,16 @@ MAX_ERROR_CHARS = 600
 
 class JudgeRequest(msgspec.Struct, frozen=True):
     """One comparison: the conversation, the two final answers, the request's principle, and
-    which of ``num_judges_per_comparison`` passes this is (it varies the sampling seed)."""
+    which of ``num_judges_per_comparison`` passes this is (it varies the sampling seed).
+    ``place``: its position in its cohort's issue order (prefix order); never part of what is
+    judged, it only orders the cohort's waiting calls."""
 
     history: list[dict[str, str]]
     response_1: str
     response_2: str
     principle: str | None = None
     judge_idx: int = 0
+    place: int = 0
 
 
 class AttemptFailed(TransientJudgeError):
@@ -53,19 +56,24 @@ class JudgeCallObserver(Protocol):
 
 class PairState:
     """What the attempts of one comparison share: the token tally (the backend adds what each
-    answer's ``usage`` reports) and where the last attempt went (``last_endpoint``, so a retry
-    can prefer another). Owned by the retry loop of that comparison."""
+    answer's ``usage`` reports, cached prompt tokens included), where the last attempt went
+    (``last_endpoint``, so a retry can prefer another) and the comparison's group (``group``:
+    its cohort, for ``cohort_affinity`` routing; None for ``/compare``). Owned by the retry loop
+    of that comparison."""
 
-    __slots__ = ("input_tokens", "output_tokens", "last_endpoint")
+    __slots__ = ("input_tokens", "output_tokens", "cached_tokens", "last_endpoint", "group")
 
-    def __init__(self) -> None:
+    def __init__(self, group: object | None = None) -> None:
         self.input_tokens = 0
         self.output_tokens = 0
+        self.cached_tokens = 0
         self.last_endpoint: object | None = None
+        self.group = group
 
-    def add(self, input_tokens: int, output_tokens: int) -> None:
+    def add(self, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> None:
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
+        self.cached_tokens += cached_tokens
 
 
 def timeout_fatal(timeout_s: float) -> AttemptFatal:

@@ -13,6 +13,7 @@ import trio
 from genrm_trio import judge_prompt
 from genrm_trio.config import Config
 from genrm_trio.server.judge.answers import (
+    cached_of,
     chat_answer,
     error_snippet,
     responses_answer,
@@ -27,7 +28,13 @@ from genrm_trio.server.judge.attempt import (
     timeout_fatal,
 )
 from genrm_trio.server.judge.bodies import BodyBuilder
-from genrm_trio.server.judge.endpoints import Endpoint, Endpoints, display_url, endpoint_url
+from genrm_trio.server.judge.endpoints import (
+    Affinity,
+    Endpoint,
+    Endpoints,
+    display_url,
+    endpoint_url,
+)
 from genrm_trio.server.judge.h11_pool import H11Pool
 from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport, HttpxTransport
 from genrm_trio.server.judge.retry_after import parse_retry_after
@@ -75,25 +82,41 @@ class HttpBackend:
         await self._transport.aclose()
 
     async def call(self, request: JudgeRequest, attempt: int, state: PairState) -> str:
-        """One attempt: pick an endpoint (another than the comparison's last when one is ready),
-        wait for a slot of its ``max_concurrency_per_endpoint`` (no deadline of ours yet: the
-        enclosing evaluation deadline bounds the wait), then POST under
+        """One attempt: pick an endpoint (``judge.routing``; another than the comparison's last
+        when one is ready), wait for a slot of its ``max_concurrency_per_endpoint`` (no deadline
+        of ours yet: the enclosing evaluation deadline bounds the wait), then POST under
         ``judge_request_timeout_s`` and classify the answer."""
         content = self._encoder.encode(self._bodies.build(request, attempt))
+        tokens = len(content) // 4  # the prompt tokens estimate routing counts (endpoints.py)
+        if self._endpoints.affinity:
+            affinity = getattr(state.group, "judge_affinity", None)
+            chosen = await self._endpoints.acquire(
+                state.last_endpoint, affinity if isinstance(affinity, Affinity) else None,
+                tokens, state.group, request.place)
+            state.last_endpoint = chosen
+            chosen.picks += 1
+            try:
+                return await self._call_endpoint(chosen, content, state)
+            finally:
+                self._endpoints.release(chosen, tokens)
         endpoint = self._endpoints.choose(state.last_endpoint)
         state.last_endpoint = endpoint
         endpoint.picks += 1
-        if endpoint.limiter is None:
-            return await self._call_endpoint(endpoint, content, state)
-        endpoint.waiting += 1
+        endpoint.outstanding_tokens += tokens
         try:
-            await endpoint.limiter.acquire()
+            if endpoint.limiter is None:
+                return await self._call_endpoint(endpoint, content, state)
+            endpoint.waiting += 1
+            try:
+                await endpoint.limiter.acquire()
+            finally:
+                endpoint.waiting -= 1
+            try:
+                return await self._call_endpoint(endpoint, content, state)
+            finally:
+                endpoint.limiter.release()
         finally:
-            endpoint.waiting -= 1
-        try:
-            return await self._call_endpoint(endpoint, content, state)
-        finally:
-            endpoint.limiter.release()
+            endpoint.outstanding_tokens -= tokens
 
     async def _call_endpoint(self, endpoint: Endpoint, content: bytes, state: PairState) -> str:
         endpoint.in_flight += 1
@@ -138,9 +161,13 @@ class HttpBackend:
                 ) from exc
             # Counted whatever the answer: a truncated one cost its tokens too.
             input_tokens, output_tokens = usage_of(body)
-            state.add(input_tokens, output_tokens)
+            cached_tokens, timed_prompt = cached_of(body)
+            input_tokens = input_tokens or timed_prompt  # llama.cpp: timings without usage
+            cached_tokens = min(cached_tokens, input_tokens) if input_tokens else cached_tokens
+            state.add(input_tokens, output_tokens, cached_tokens)
             endpoint.input_tokens += input_tokens
             endpoint.output_tokens += output_tokens
+            endpoint.cached_tokens += cached_tokens
             try:
                 return self._extract(body)
             except AttemptFailed as exc:
@@ -164,11 +191,13 @@ class HttpBackend:
                     "cooling_down": e.cooling(now),
                     "clients": self._transport.clients(e),
                     "waiting": e.waiting,
-                    "max_concurrency": (
-                        int(e.limiter.total_tokens) if e.limiter is not None else None),
+                    "max_concurrency": e.limit,
                     "input_tokens": e.input_tokens,
                     "output_tokens": e.output_tokens,
+                    "cached_tokens": e.cached_tokens,
+                    "outstanding_tokens": e.outstanding_tokens,
                 }
                 for e in self._endpoints.all
-            ]
+            ],
+            "routing": self._cfg.judge.routing,
         }

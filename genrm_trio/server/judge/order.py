@@ -20,8 +20,10 @@ by ``judge_order``:
 ``arrival``
     first come, first served (``trio.CapacityLimiter``'s order).
 
-Within one group, and for calls with no group (``POST /compare``, which rank ahead of groups),
-waiters are served first come, first served. The rank is read when a token is handed on, so
+Within one group, waiters are served in the group's issue order (``place``: its prefix order,
+scoring.prefix_order; a retry keeps its comparison's place), first come first served for
+equal places; calls with no group (``POST /compare``, which rank ahead of groups) are served
+first come, first served. The rank is read when a token is handed on, so
 progress a group made while its calls waited counts. Cost per hand-over: one rank per group
 with waiting calls.
 """
@@ -29,9 +31,9 @@ with waiting calls.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import trio
 
@@ -54,12 +56,24 @@ class GroupProgress(Protocol):
 
 
 class _Waiter:
-    __slots__ = ("seq", "event", "granted")
+    __slots__ = ("seq", "place", "event", "granted")
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, place: int) -> None:
         self.seq = seq
+        self.place = place
         self.event = trio.Event()
         self.granted = False
+
+
+def insert_in_place(queue: deque[Any], item: Any, place: Callable[[Any], int],
+                    same: Callable[[Any], bool] | None = None) -> None:
+    """Append ``item``, moved ahead of the waiters at the tail that ``same`` accepts (default:
+    all) with a higher place: a queue in issue order, FIFO among equal places. O(moves)."""
+    at = len(queue)
+    mine = place(item)
+    while at > 0 and (same is None or same(queue[at - 1])) and place(queue[at - 1]) > mine:
+        at -= 1
+    queue.insert(at, item)
 
 
 class OrderedLimiter:
@@ -96,23 +110,26 @@ class OrderedLimiter:
         return self._waiting
 
     @asynccontextmanager
-    async def slot(self, group: GroupProgress | None = None) -> AsyncIterator[None]:
-        await self.acquire(group)
+    async def slot(self, group: GroupProgress | None = None,
+                   place: int = 0) -> AsyncIterator[None]:
+        await self.acquire(group, place)
         try:
             yield
         finally:
             self.release()
 
-    async def acquire(self, group: GroupProgress | None = None) -> None:
-        """Take a token, waiting for one in rank order. A checkpoint, like trio's limiter."""
+    async def acquire(self, group: GroupProgress | None = None, place: int = 0) -> None:
+        """Take a token, waiting for one in rank order (within ``group``, by ``place``). A
+        checkpoint, like trio's limiter."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._borrowed < self._total and not self._waiting:
             self._borrowed += 1
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self._seq += 1
-        waiter = _Waiter(self._seq)
-        self._queues.setdefault(id(group), (group, deque()))[1].append(waiter)
+        waiter = _Waiter(self._seq, place)
+        insert_in_place(self._queues.setdefault(id(group), (group, deque()))[1], waiter,
+                        lambda w: w.place)
         self._waiting += 1
         try:
             await waiter.event.wait()

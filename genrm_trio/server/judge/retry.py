@@ -58,7 +58,8 @@ class JudgeStats:
     ``timeout``, ``unusable``, ``truncated``, ``parse``, ``plugin``, ...);
     ``truncated_answers`` counts answers cut by the output budget; ``comparisons_failed`` counts
     comparisons that ended in :class:`~genrm_trio.errors.JudgeFailed`; ``input_tokens`` and
-    ``output_tokens`` sum the ``usage`` the judge reported (per endpoint: ``Judge.status()``).
+    ``output_tokens`` sum the ``usage`` the judge reported, ``cached_tokens`` the prompt tokens
+    it reported found in its prefix cache (per endpoint: ``Judge.status()``).
     """
 
     comparisons: int = 0
@@ -75,6 +76,7 @@ class JudgeStats:
     backoff_seconds_sum: float = 0.0
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Judge:
@@ -117,16 +119,19 @@ class Judge:
         non-retryable error, a per-request timeout, a Retry-After beyond the enclosing
         deadline, or an exhausted budget without any usable answer.
         """
-        state = PairState()
+        state = PairState(group)
         try:
             verdict = await self._judge(request, state, group)
         except JudgeFailed as exc:
-            raise JudgeFailed(str(exc), state.input_tokens, state.output_tokens) from None
+            raise JudgeFailed(str(exc), state.input_tokens, state.output_tokens,
+                              state.cached_tokens) from None
         finally:
             self.stats.input_tokens += state.input_tokens
             self.stats.output_tokens += state.output_tokens
+            self.stats.cached_tokens += state.cached_tokens
         return msgspec.structs.replace(
-            verdict, input_tokens=state.input_tokens, output_tokens=state.output_tokens)
+            verdict, input_tokens=state.input_tokens, output_tokens=state.output_tokens,
+            cached_tokens=state.cached_tokens)
 
     async def _judge(self, request: JudgeRequest, state: PairState,
                      group: GroupProgress | None) -> scoring.Verdict:
@@ -212,7 +217,7 @@ class Judge:
 
     async def _attempt(self, request: JudgeRequest, attempt: int, state: PairState,
                        group: GroupProgress | None) -> str:
-        async with self._limiter.slot(group):
+        async with self._limiter.slot(group, request.place):
             self.stats.calls += 1
             started = trio.current_time()
             ok = False

@@ -1,0 +1,217 @@
+"""``judge.routing``: least_loaded against cohort_affinity, with fake endpoints (an httpx2 mock
+transport that answers per host) and the autojump clock: where each group's calls go, when they
+spill, how retries, cooling and ``judge.max_concurrency_per_endpoint`` still hold."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+import trio.testing
+
+from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.errors import ConfigError
+from genrm_trio.server.judge import Affinity, JudgeRequest, open_judge
+from tests.test_judge import MaxRng, responses_ok, transport
+
+URL_A = "http://judge-a.test"
+URL_B = "http://judge-b.test"
+
+
+class Group:
+    """What the judge reads of a cohort: its rank fields and its home endpoint slot."""
+
+    def __init__(self) -> None:
+        self.opened_at = 0.0
+        self.comparisons_left = 1
+        self.collected_at: float | None = 0.0
+        self.judge_affinity = Affinity()
+
+
+class Endpoints:
+    """Fake judge servers: every call takes ``service_s`` (times listed per host), with a
+    count of calls at once per host, and optional failures of a host's first calls."""
+
+    def __init__(self, service_s: float = 1.0, fail_first: dict[str, int] | None = None) -> None:
+        self.service_s = service_s
+        self.fail_first = dict(fail_first or {})
+        self.hosts: list[str] = []
+        self.by_history: dict[str, list[str]] = defaultdict(list)
+        self.now: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
+        self.started: dict[str, list[float]] = defaultdict(list)
+
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        host = request.url.host
+        self.hosts.append(host)
+        body = httpx2.Response(200, content=request.content).json()
+        self.by_history[body["input"][0]["content"]].append(host)
+        if self.fail_first.get(host, 0) > 0:
+            self.fail_first[host] -= 1
+            return httpx2.Response(503)
+        self.now[host] += 1
+        self.peak[host] = max(self.peak[host], self.now[host])
+        self.started[host].append(trio.current_time())
+        try:
+            await trio.sleep(self.service_s)
+        finally:
+            self.now[host] -= 1
+        return responses_ok()
+
+
+def cfg(routing: str, **judge: Any) -> Config:
+    top = judge.pop("top", {})
+    return Config(judge=JudgeConfig(base_urls=(URL_A, URL_B), routing=routing, **judge),  # type: ignore[arg-type]
+                  genrm_parse_retry_sleep_s=0.0, **top)
+
+
+def request(group: int, k: int) -> JudgeRequest:
+    history = [{"role": "user", "content": f"conversation of group {group} " * 20}]
+    return JudgeRequest(history=history, response_1=f"answer {k}", response_2=f"answer {k + 1}")
+
+
+async def judge_groups(config: Config, fakes: Endpoints, groups: int, calls: int,
+                       stagger_s: float = 0.0) -> tuple[list[Group], dict[str, Any]]:
+    made = [Group() for _ in range(groups)]
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        async with trio.open_nursery() as nursery:
+            for g, group in enumerate(made):
+                for k in range(calls):
+                    nursery.start_soon(judge.judge_pair, request(g, k), group)
+                if stagger_s:
+                    await trio.sleep(stagger_s)
+        status = judge.status()
+    return made, status
+
+
+def history_of(group: int) -> str:
+    return request(group, 0).history[0]["content"]
+
+
+async def test_least_loaded_scatters_a_cohort_over_every_endpoint(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # One cohort's four calls at once: least-loaded puts two on each endpoint whatever order
+    # trio starts them in (with two cohorts, trio's scheduling order could pair them up).
+    fakes = Endpoints()
+    await judge_groups(cfg("least_loaded"), fakes, groups=1, calls=4)
+    assert [sorted(Counter(hosts).values()) for hosts in fakes.by_history.values()] == [[2, 2]]
+
+
+async def test_affinity_keeps_each_cohort_on_one_endpoint_chosen_by_outstanding_tokens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fakes = Endpoints()
+    groups, status = await judge_groups(cfg("cohort_affinity", affinity_spill_factor=16.0),
+                                        fakes, groups=2, calls=4)
+    homes = [set(fakes.by_history[history_of(g)]) for g in range(2)]
+    # the first group to issue went to an empty endpoint; the other then found it holding the
+    # first group's calls' tokens and went to the other one
+    assert sorted(map(sorted, homes)) == [["judge-a.test"], ["judge-b.test"]]
+    assert groups[0].judge_affinity.endpoint is not groups[1].judge_affinity.endpoint
+    assert status["routing"] == "cohort_affinity"
+    assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 for e in status["endpoints"])
+
+
+@pytest.mark.parametrize(("factor", "hosts", "makespan"), [
+    # never past 16 x the mean: every call waits for judge-a's two slots (4 rounds of 1 s)
+    (16.0, {"judge-a.test"}, 4.0),
+    # past the mean: calls 3 and 4 spill to judge-b's free slots, the rest wait at judge-a;
+    # judge-b's freed slots take two of them (judge-a is still over the mean): 2 rounds
+    (1.0, {"judge-a.test", "judge-b.test"}, 2.0),
+])
+async def test_a_full_home_spills_past_the_factor_and_idle_slots_take_its_queue(
+    autojump_clock: trio.testing.MockClock, factor: float, hosts: set[str],
+    makespan: float,
+) -> None:
+    fakes = Endpoints()
+    config = cfg("cohort_affinity", affinity_spill_factor=factor,
+                 max_concurrency_per_endpoint=2)
+    started = trio.current_time()
+    _, status = await judge_groups(config, fakes, groups=1, calls=8)
+    assert trio.current_time() - started == makespan
+    assert set(fakes.hosts) == hosts
+    assert max(fakes.peak.values()) <= 2  # max_concurrency_per_endpoint holds
+    assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 for e in status["endpoints"])
+
+
+async def test_max_concurrency_per_endpoint_holds_under_affinity(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fakes = Endpoints()
+    config = cfg("cohort_affinity", affinity_spill_factor=1.0, max_concurrency_per_endpoint=3)
+    await judge_groups(config, fakes, groups=5, calls=7, stagger_s=0.25)
+    assert len(fakes.hosts) == 35
+    assert max(fakes.peak.values()) == 3
+
+
+async def test_a_retry_goes_to_another_endpoint_and_the_home_is_kept(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fakes = Endpoints(fail_first={"judge-a.test": 1})
+    group = Group()
+    async with open_judge(cfg("cohort_affinity"), transport=transport(fakes),
+                          rng=MaxRng()) as judge:
+        await judge.judge_pair(request(0, 0), group)
+        home = group.judge_affinity.endpoint
+        await judge.judge_pair(request(0, 1), group)
+    # first attempt at judge-a (503), its retry at judge-b; the next comparison is home again
+    assert fakes.hosts == ["judge-a.test", "judge-b.test", "judge-a.test"]
+    assert home is not None and home.url.startswith(URL_A)
+
+
+async def test_a_cooling_home_is_replaced(autojump_clock: trio.testing.MockClock) -> None:
+    fakes = Endpoints(fail_first={"judge-a.test": 1})
+    group = Group()
+    config = cfg("cohort_affinity", endpoint_failure_threshold=1, endpoint_cooldown_s=60.0)
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        for k in range(3):
+            await judge.judge_pair(request(0, k), group)
+    assert fakes.hosts == ["judge-a.test", "judge-b.test", "judge-b.test", "judge-b.test"]
+    assert group.judge_affinity.endpoint is not None
+    assert group.judge_affinity.endpoint.url.startswith(URL_B)
+
+
+async def test_a_cancelled_waiter_leaves_no_outstanding_tokens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fakes = Endpoints(service_s=10.0)
+    config = cfg("cohort_affinity", max_concurrency_per_endpoint=1, affinity_spill_factor=16.0)
+    group = Group()
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        with trio.move_on_after(1.0):
+            async with trio.open_nursery() as nursery:
+                for k in range(4):
+                    nursery.start_soon(judge.judge_pair, request(0, k), group)
+                await trio.testing.wait_all_tasks_blocked()
+                waiting = judge.status()["endpoints"][0]
+        status = judge.status()
+    assert (waiting["in_flight"], waiting["waiting"]) == (1, 3)
+    assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 and e["in_flight"] == 0
+               for e in status["endpoints"])
+
+
+async def test_compare_calls_without_a_group_are_least_loaded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fakes = Endpoints()
+    async with open_judge(cfg("cohort_affinity"), transport=transport(fakes),
+                          rng=MaxRng()) as judge:
+        async with trio.open_nursery() as nursery:
+            for k in range(4):
+                nursery.start_soon(judge.judge_pair, request(0, k))
+    assert Counter(fakes.hosts) == {"judge-a.test": 2, "judge-b.test": 2}
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("routing", "round_robin"), ("affinity_spill_factor", 0.5),
+    ("affinity_spill_factor", 16.5), ("affinity_spill_factor", math.nan),
+])
+def test_bad_routing_settings_name_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        JudgeConfig(**{key: value})
+    assert info.value.key == f"judge.{key}"

@@ -1,0 +1,143 @@
+"""Prefix order (issue 18 item 3): a cohort's comparisons are issued so that calls sharing the
+longest prefix go back to back, with one warm-up call first under ``cohort_affinity``; rewards
+never depend on issue order."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from genrm_trio import scoring
+from genrm_trio.config import Config, JudgeConfig
+from genrm_trio.server import cohort as cohort_module
+from genrm_trio.server.judge import Judge, JudgeRequest
+from tests.lifecycle_helpers import (
+    Outcomes,
+    answer,
+    heuristic_verdict,
+    member,
+    open_registry,
+    reference_rewards,
+)
+
+
+def test_prefix_order_groups_calls_by_response_1_then_response_2_then_pass() -> None:
+    pairs = scoring.comparison_pairs(4, "all_pairs", 2)  # judge-major: pass 0 first
+    ordered = [pairs[i] for i in scoring.prefix_order(pairs)]
+    assert ordered == [(0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 3, 1),
+                       (1, 2, 0), (1, 2, 1), (1, 3, 0), (1, 3, 1), (2, 3, 0), (2, 3, 1)]
+    circular = scoring.comparison_pairs(3, "circular", 1)
+    assert [circular[i] for i in scoring.prefix_order(circular)] == [(0, 1, 0), (1, 2, 0),
+                                                                      (2, 0, 0)]
+
+
+class TimedJudge:
+    """Records when each comparison started; each takes a duration drawn from its content,
+    so completions come back in an order unrelated to issue order."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[float, str, str]] = []
+
+    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+        self.started.append((trio.current_time(), request.response_1, request.response_2))
+        digest = hashlib.sha256((request.response_1 + request.response_2).encode()).digest()
+        await trio.sleep(1.0 + digest[0] / 64)
+        return heuristic_verdict(request)
+
+
+class Backend:
+    """A judge backend answering through a :class:`TimedJudge`: the real retry loop and its
+    ordered limiter in front of it."""
+
+    kind = "builtin"
+
+    def __init__(self, judge: TimedJudge) -> None:
+        self.judge = judge
+
+    async def call(self, request: JudgeRequest, attempt: int, state: Any) -> str:
+        verdict = await self.judge.judge_pair(request)
+        return (f'{{"score_1": {verdict.score_1}, "score_2": {verdict.score_2}, '
+                f'"ranking": {verdict.ranking}}}')
+
+    def status(self) -> dict[str, Any]:
+        return {"endpoints": []}
+
+
+def config(routing: str, schedule: str = "wait_for_all", n: int = 5, **top: Any) -> Config:
+    return Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
+                  judge_schedule=schedule,  # type: ignore[arg-type]
+                  judge=JudgeConfig(routing=routing), **top)  # type: ignore[arg-type]
+
+
+async def run_cohort(cfg: Config, judge: Any) -> list[float]:
+    n = cfg.num_rollouts_per_prompt
+    async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
+        outcomes = Outcomes(registry, nursery)
+        for slot in range(n):
+            outcomes.send(f"m{slot}", member(cfg, slot))
+    return [outcomes.reward(f"m{slot}") for slot in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["wait_for_all", "eager"])
+async def test_affinity_sends_one_warm_up_call_then_the_rest_grouped_by_response_1(
+    autojump_clock: trio.testing.MockClock, schedule: str,
+) -> None:
+    cfg = config("cohort_affinity", schedule)
+    judge = TimedJudge()
+    await run_cohort(cfg, judge)
+    first, *rest = judge.started
+    assert all(t > first[0] for t, _, _ in rest)  # the warm-up ran alone
+    assert len({t for t, _, _ in rest}) == 1  # then everything else fanned out at once
+
+
+
+async def test_waiting_calls_of_a_cohort_start_in_prefix_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # One judge slot: the queue decides, whatever order trio runs the cohort's tasks in.
+    cfg = config("cohort_affinity", judge_max_concurrency=1)
+    judge = TimedJudge()
+    await run_cohort(cfg, Judge(cfg, Backend(judge), None, random.Random(0)))
+    texts = [answer(slot) for slot in range(cfg.num_rollouts_per_prompt)]
+    pairs = scoring.comparison_pairs(cfg.num_rollouts_per_prompt, "all_pairs", 1)
+    expected = [(texts[i], texts[j])
+                for i, j, _ in (pairs[k] for k in scoring.prefix_order(pairs))]
+    started = [(r1, r2) for _, r1, r2 in judge.started]
+    assert started[0] == expected[0]  # the warm-up
+    # the first fanned-out call takes the free slot at once (whichever task trio runs first);
+    # every other one waited in the queue, which hands slots out in prefix order
+    assert started[2:] == [p for p in expected[1:] if p != started[1]]
+
+
+async def test_least_loaded_fans_out_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    judge = TimedJudge()
+    await run_cohort(config("least_loaded"), judge)
+    assert len({t for t, _, _ in judge.started}) == 1 and len(judge.started) == 10
+
+
+@pytest.mark.parametrize("order", ["reversed", "interleaved"])
+async def test_rewards_never_depend_on_issue_order(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, order: str,
+) -> None:
+    cfg = config("cohort_affinity")
+    texts = [answer(slot) for slot in range(cfg.num_rollouts_per_prompt)]
+    expected = reference_rewards(cfg, texts)
+    assert await run_cohort(cfg, TimedJudge()) == expected
+    assert await run_cohort(config("least_loaded"), TimedJudge()) == expected
+
+    def other(pairs: list[tuple[int, int, int]]) -> list[int]:
+        indices = list(range(len(pairs)))
+        if order == "reversed":
+            return indices[::-1]
+        return indices[1::2] + indices[::2]
+
+    monkeypatch.setattr(cohort_module.scoring, "prefix_order", other)
+    judge = TimedJudge()
+    assert await run_cohort(cfg, judge) == expected
+    first = judge.started[0]
+    assert (first[1], first[2]) != (texts[0], texts[1])  # the order really changed
