@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -99,6 +100,9 @@ def settings_from_mapping(values: dict[str, Any]) -> MockJudgeSettings:
         raise ConfigError(key, _VALIDATION_PATH.sub("", message)) from exc
 
 
+TRACEPARENTS_KEPT = 4096
+
+
 class MockJudgeState:
     """Counters and the live fault plan of one mock judge; owned by whoever runs the server.
 
@@ -107,7 +111,8 @@ class MockJudgeState:
     received (admin and health requests are not counted); ``in_flight`` are calls being served
     inside the capacity limit, ``queued`` those waiting for it; ``busy_s`` sums the seconds
     calls spent inside the capacity limit (busy time, for utilisation); ``connections`` counts
-    accepted connections.
+    accepted connections. ``traceparents``: the W3C ``traceparent`` header (None when absent)
+    of the last :data:`TRACEPARENTS_KEPT` judge calls, oldest first.
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class MockJudgeState:
         self.busy_s = 0.0
         self.queued = 0
         self.connections = 0
+        self.traceparents: deque[str | None] = deque(maxlen=TRACEPARENTS_KEPT)
         self._changed = trio.lowlevel.ParkingLot()
         self.fault = Fault.NONE
         self.fault_remaining: int | None = None
@@ -164,6 +170,7 @@ class MockJudgeState:
         self.faults_injected = {}
         self.max_in_flight = self.in_flight
         self.busy_s = 0.0
+        self.traceparents.clear()
         self.set_fault(Fault.NONE, None)
 
     def notify(self) -> None:

@@ -49,6 +49,15 @@ from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import GroupProgress, JudgeRequest
+from genrm_trio.server.tracing import (
+    NO_COHORT_TRACE,
+    NO_REQUEST_SPAN,
+    NO_TRACER,
+    CohortTrace,
+    JudgeParent,
+    RequestSpan,
+    Tracer,
+)
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
@@ -105,8 +114,8 @@ Outcome = Rewarded | Failure
 
 
 class PairJudge(Protocol):
-    async def judge_pair(self, request: JudgeRequest,
-                         group: GroupProgress | None = None) -> scoring.Verdict: ...
+    async def judge_pair(self, request: JudgeRequest, group: GroupProgress | None = None,
+                         trace: JudgeParent = NO_COHORT_TRACE) -> scoring.Verdict: ...
 
 
 class CohortObserver(Protocol):
@@ -160,7 +169,7 @@ class Cohort:
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
-        "wake",
+        "wake", "trace",
     )
 
     def __init__(
@@ -195,6 +204,7 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
+        self.trace: CohortTrace = NO_COHORT_TRACE  # its genrm.cohort span (server/tracing.py)
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -265,7 +275,7 @@ class CohortRegistry:
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
                  journal: Journal | None = None, observer: CohortObserver | None = None,
-                 *, service: trio.Nursery | None = None) -> None:
+                 *, service: trio.Nursery | None = None, tracer: Tracer = NO_TRACER) -> None:
         # `serve` hands over a config resolved at start; a registry built from a plain one
         # (tests, tools) resolves max_active_bytes: auto here, once.
         self._cfg = cfg = memory_limit.resolved(cfg)
@@ -274,6 +284,7 @@ class CohortRegistry:
         # their connections from the start.
         self._service = service
         self._observer = observer
+        self._tracer = tracer
         self._judge = judge
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
@@ -304,7 +315,8 @@ class CohortRegistry:
     @classmethod
     @asynccontextmanager
     async def open(cls, cfg: Config, judge: PairJudge, journal: Journal | None = None,
-                   observer: CohortObserver | None = None) -> AsyncIterator[CohortRegistry]:
+                   observer: CohortObserver | None = None,
+                   tracer: Tracer = NO_TRACER) -> AsyncIterator[CohortRegistry]:
         """Open a registry with its own nursery for the lifetime of the block.
 
         Cohort tasks run in that nursery only; the one watch timer (see
@@ -313,7 +325,8 @@ class CohortRegistry:
         answered and every cohort task ends promptly; the block then waits for them. Cohort
         failures never propagate out of here (each cohort task contains its own)."""
         async with trio.open_nursery() as service, trio.open_nursery() as nursery:
-            registry = cls(cfg, judge, nursery, journal, observer, service=service)
+            registry = cls(cfg, judge, nursery, journal, observer, service=service,
+                           tracer=tracer)
             try:
                 yield registry
             finally:
@@ -353,7 +366,7 @@ class CohortRegistry:
     def journal(self) -> Journal | None:
         return self._journal
 
-    async def verify(self, member: VerifyMember) -> Outcome:
+    async def verify(self, member: VerifyMember, span: RequestSpan = NO_REQUEST_SPAN) -> Outcome:
         """Admit one member and wait for its cohort's outcome.
 
         Registration is synchronous. Blocks until the cohort completes or fails (never longer than
@@ -361,12 +374,13 @@ class CohortRegistry:
         stays and the cohort goes on. Returns the member's reward or an explicit failure; never
         raises for a documented condition.
         """
-        outcome = await self.verify_unless_gone(member, None)
+        outcome = await self.verify_unless_gone(member, None, span)
         assert outcome is not None  # only a client_gone wait ends without an outcome
         return outcome
 
     async def verify_unless_gone(
         self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]] | None,
+        span: RequestSpan = NO_REQUEST_SPAN,
     ) -> Outcome | None:
         """:meth:`verify` for an HTTP handler: while the member waits, ``client_gone()`` runs in
         the handler's own task (it reads the connection until the client hangs up) and the
@@ -376,7 +390,8 @@ class CohortRegistry:
         timer finds the cohort :data:`DISCONNECT_WATCH_AFTER_S` old (at once for a member that
         joins it later), so a client that hangs up sooner is noticed then; waiters of a cohort
         that resolves sooner wake on its event alone. Without ``client_gone`` (None) it waits
-        for the outcome alone.
+        for the outcome alone. ``span``: the request's span (server/tracing.py), linked with
+        its cohort's.
 
         One coroutine frame for the whole wait (no helpers awaited in between): with thousands
         of members waiting, each frame costs a few hundred bytes per waiter (issue 21)."""
@@ -386,6 +401,7 @@ class CohortRegistry:
             return admitted
         cohort, duplicate = admitted
         slot = member.rollout_index or 0
+        cohort.trace.joined(span, slot, duplicate)
         # A duplicate holds its own body while it waits: it counts towards max_active_bytes
         # like a member does.
         held = member.size_bytes if duplicate else 0
@@ -430,6 +446,7 @@ class CohortRegistry:
         if self._watch_timer_scope is not None:
             self._watch_timer_scope.cancel()
         self._watch_due.clear()
+        self._tracer.shutdown_began(len(self._active), self._waiters)
         failure = Failure(503, "shutdown", "the server is shutting down")
         for cohort in list(self._active.values()):
             self._fail(cohort, failure)
@@ -598,6 +615,8 @@ class CohortRegistry:
             ),
             now,
         )
+        cohort.trace = self._tracer.cohort(identity.describe(key), key.group_id, key.attempt,
+                                           cohort.size)
         self._active[key] = cohort
         if key.group_id is not None:
             self._active_by_group.setdefault(key.group_id, {})[key.attempt] = cohort
@@ -638,6 +657,7 @@ class CohortRegistry:
         cohort.arrival.set()
         if len(cohort.members) == cohort.size and self._transition(cohort, Phase.EVALUATING):
             cohort.evaluating_at = trio.current_time()
+            cohort.trace.collected()
 
     def _transition(self, cohort: Cohort, new: Phase) -> bool:
         """The one place a phase changes: compare-and-set against the allowed transitions.
@@ -699,6 +719,7 @@ class CohortRegistry:
                 # inside it, so the judge sees it (a Retry-After beyond it fails at once).
                 pair_nursery.cancel_scope.deadline = (
                     trio.current_time() + cfg.cohort_evaluation_timeout_s)
+                cohort.trace.evaluation_started(len(cohort.pairs) - len(cohort.started_pairs))
                 self._start_ready_pairs(cohort, pair_nursery)
                 await cohort.pairs_done.wait()
                 pair_nursery.cancel_scope.cancel()  # all done: nothing is left to stop
@@ -734,7 +755,7 @@ class CohortRegistry:
 
     async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest) -> None:
         try:
-            verdict = await self._judge.judge_pair(request, cohort)
+            verdict = await self._judge.judge_pair(request, cohort, cohort.trace)
         except JudgeFailed as exc:
             cohort.input_tokens += exc.input_tokens
             cohort.output_tokens += exc.output_tokens
@@ -809,23 +830,25 @@ class CohortRegistry:
         collection_s = (now if evaluating_at is None else evaluating_at) - cohort.opened_at
         evaluation_s = None if evaluating_at is None else now - evaluating_at
         key = identity.describe(cohort.key)  # bounded, control characters escaped
+        fields: dict[str, Any] = {
+            "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
+            "members": len(cohort.members), "size": cohort.size,
+            "total_s": round(now - cohort.opened_at, 6),
+            "collection_s": round(collection_s, 6),
+            "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
+            "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
+            "defaulted_comparisons": cohort.defaulted,
+            "judge_input_tokens": cohort.input_tokens,
+            "judge_output_tokens": cohort.output_tokens,
+            **_rollout_ids(cohort),
+        }
         logger.info(
             "%s %s after %.3f s: %s; judge tokens %d in, %d out", key,
             "completed" if kind == "completed" else f"failed ({kind})",
             now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
-            extra={
-                "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
-                "members": len(cohort.members), "size": cohort.size,
-                "total_s": round(now - cohort.opened_at, 6),
-                "collection_s": round(collection_s, 6),
-                "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
-                "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
-                "defaulted_comparisons": cohort.defaulted,
-                "judge_input_tokens": cohort.input_tokens,
-                "judge_output_tokens": cohort.output_tokens,
-                **_rollout_ids(cohort),
-            },
+            extra=fields,
         )
+        cohort.trace.disposed(kind, fields)
         if self._observer is not None:
             self._observer.cohort_done(kind, collection_s, evaluation_s)
 

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from genrm_trio.server.cohort import CohortRegistry
     from genrm_trio.server.judge import Judge
+    from genrm_trio.server.tracing import Tracer
 
 # From a loopback millisecond to past the 1800 s default deadlines.
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -77,10 +78,13 @@ class ServerMetrics:
         self._evaluation_children: dict[str, Any] = {}
         self._judge_children: dict[tuple[str, bool], Any] = {}
 
-    def read_from(self, registry: CohortRegistry, judge: Judge) -> None:
-        """Read ``registry`` and ``judge`` at every scrape from now on (they outlive this)."""
+    def read_from(self, registry: CohortRegistry, judge: Judge,
+                  tracer: Tracer | None = None) -> None:
+        """Read ``registry``, ``judge`` and, with tracing on, ``tracer`` at every scrape from
+        now on (they outlive this)."""
         self._snapshot.registry = registry
         self._snapshot.judge = judge
+        self._snapshot.tracer = tracer
 
     # ---------------------------------------------------------------- hooks
 
@@ -131,6 +135,7 @@ class _SnapshotCollector(Collector):
     def __init__(self) -> None:
         self.registry: CohortRegistry | None = None
         self.judge: Judge | None = None
+        self.tracer: Tracer | None = None
 
     def describe(self) -> list[Metric]:
         return []  # families depend on what the sources hold; no up-front description
@@ -140,6 +145,11 @@ class _SnapshotCollector(Collector):
             yield from _registry_families(self.registry)
         if self.judge is not None:
             yield from _judge_families(self.judge)
+        if self.tracer is not None and self.tracer.enabled:
+            yield CounterMetricFamily(
+                "genrm_trace_export_failures",
+                "Spans whose export to the OTLP collector failed (unreachable or refusing).",
+                value=self.tracer.export_failures)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -12,6 +12,7 @@ from typing import Protocol
 import msgspec
 
 from genrm_trio.errors import FatalJudgeError, TransientJudgeError
+from genrm_trio.server.tracing import NO_JUDGE_SPAN, JudgeSpan
 
 #: Longest error text that leaves the judge (failure reasons, logs).
 MAX_ERROR_CHARS = 600
@@ -54,14 +55,17 @@ class JudgeCallObserver(Protocol):
 class PairState:
     """What the attempts of one comparison share: the token tally (the backend adds what each
     answer's ``usage`` reports) and where the last attempt went (``last_endpoint``, so a retry
-    can prefer another). Owned by the retry loop of that comparison."""
+    can prefer another), the comparison's span (``span``, server/tracing.py) and the label of
+    the last failed attempt. Owned by the retry loop of that comparison."""
 
-    __slots__ = ("input_tokens", "output_tokens", "last_endpoint")
+    __slots__ = ("input_tokens", "output_tokens", "last_endpoint", "span", "last_reason")
 
     def __init__(self) -> None:
         self.input_tokens = 0
         self.output_tokens = 0
         self.last_endpoint: object | None = None
+        self.span: JudgeSpan = NO_JUDGE_SPAN
+        self.last_reason: str | None = None
 
     def add(self, input_tokens: int, output_tokens: int) -> None:
         self.input_tokens += input_tokens

@@ -82,6 +82,7 @@ class HttpBackend:
         content = self._encoder.encode(self._bodies.build(request, attempt))
         endpoint = self._endpoints.choose(state.last_endpoint)
         state.last_endpoint = endpoint
+        state.span.endpoint(endpoint.display)
         endpoint.picks += 1
         if endpoint.limiter is None:
             return await self._call_endpoint(endpoint, content, state)
@@ -105,7 +106,8 @@ class HttpBackend:
             timeout_s = self._cfg.judge_request_timeout_s
             try:
                 with trio.move_on_after(timeout_s) as deadline:
-                    answer = await self._transport.post(endpoint, content)
+                    answer = await self._transport.post(endpoint, content,
+                                                        state.span.headers())
             except AttemptFailed:
                 endpoint_failed = True
                 raise
@@ -139,6 +141,7 @@ class HttpBackend:
             # Counted whatever the answer: a truncated one cost its tokens too.
             input_tokens, output_tokens = usage_of(body)
             state.add(input_tokens, output_tokens)
+            state.span.answer(body)
             endpoint.input_tokens += input_tokens
             endpoint.output_tokens += output_tokens
             try:
