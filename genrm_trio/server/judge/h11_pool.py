@@ -137,8 +137,9 @@ class H11Pool:
         origin = (scheme, host, port)
         target = (url.path or "/").encode() + (b"?" + url.query.encode() if url.query else b"")
         request_headers = [(b"host", url.netloc.rpartition("@")[2].encode()),
-                           (b"content-length", str(len(content)).encode()), *self._headers,
-                           *((k.encode(), v.encode()) for k, v in headers)]
+                           (b"content-length", str(len(content)).encode()), *self._headers]
+        if headers:  # the trace's traceparent; none (and nothing built) when tracing is off
+            request_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         idle = self._idle.setdefault(origin, [])
         while True:
             reused = bool(idle)
