@@ -201,9 +201,11 @@ def serve(host: str | None, port: int | None, config_path: str | None, sets: tup
         cfg = load_cli_config(config_path, sets, extra)
         setup_logging(cfg.log_level, cfg.log_format)
     from genrm_trio.server.auth import read_auth_token
+    from genrm_trio.server.tracing import check_available
 
     try:  # fail fast, with one line, before anything is bound
         read_auth_token(cfg, os.environ)
+        check_available(cfg)  # tracing.enabled without the [otel] extra
     except ConfigError as exc:
         exit_config_error(exc)
     if cfg.state_dir is not None:

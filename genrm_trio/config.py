@@ -92,6 +92,7 @@ _NEMO_NULLABLE_KEYS = frozenset({"host", "port"})
 _MAX_CONNECTIONS_PER_CLIENT = 16
 #: Upper bound of ``judge.affinity_spill_factor`` (lower: 1, spill as soon as above the mean).
 MAX_AFFINITY_SPILL_FACTOR = 16.0
+_MAX_OTLP_ENDPOINT_CHARS = 2048
 #: How an ``auto``-able key's values are named in its errors.
 _AUTO_EXPECTED = MappingProxyType({
     "max_active_bytes": "an integer, 'auto' or null",
@@ -141,6 +142,28 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     def __post_init__(self) -> None:
         _validate_judge(self)
+
+
+class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """OpenTelemetry traces (issue 20; server/tracing.py), off by default.
+
+    ``otlp_endpoint``: the OTLP/HTTP (protobuf) traces URL; one without a path gets
+    ``/v1/traces`` appended (``http://collector:4318`` becomes
+    ``http://collector:4318/v1/traces``); null leaves it to the standard
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` variables (else
+    ``http://localhost:4318/v1/traces``). ``sample_ratio``: the share of traces started here
+    (a cohort's, or a request's without a caller's ``traceparent``) that are recorded, in
+    [0, 1]; a caller's sampled flag is followed.
+
+    Raises :class:`ConfigError` (keys prefixed ``tracing.``) for any invalid value.
+    """
+
+    enabled: bool = False
+    otlp_endpoint: str | None = None
+    sample_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        _validate_tracing(self)
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -204,6 +227,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = "auto"
     auth_token_env: str | None = None
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         _validate_config(self)
@@ -275,6 +299,8 @@ def format_bytes(n: int) -> str:
 
 _CONFIG_KEYS: frozenset[str] = frozenset(Config.__struct_fields__)
 _JUDGE_KEYS: frozenset[str] = frozenset(JudgeConfig.__struct_fields__)
+#: Keys whose value is a struct of its own: a dotted key sets one field, a whole mapping merges.
+_NESTED: Mapping[str, Any] = MappingProxyType({"judge": JudgeConfig, "tracing": TracingConfig})
 # Fields whose value is a free-form mapping: a dotted key reaches inside, a whole value replaces.
 _DICT_KEYS = frozenset({"genrm_responses_create_params"})
 
@@ -399,6 +425,26 @@ def _validate_judge(judge: JudgeConfig) -> None:
         read_prompt_template(judge.prompt_template_file)
 
 
+def _validate_tracing(tracing: TracingConfig) -> None:
+    if not isinstance(tracing.enabled, bool):
+        raise ConfigError("tracing.enabled",
+                          f"expected true or false, got {_show(tracing.enabled)}")
+    _number("tracing.sample_ratio", tracing.sample_ratio, ge=0, le=1)
+    endpoint = tracing.otlp_endpoint
+    if endpoint is None:
+        return
+    key = "tracing.otlp_endpoint"
+    if isinstance(endpoint, str) and len(endpoint) > _MAX_OTLP_ENDPOINT_CHARS:
+        raise ConfigError(key, f"must be at most {_MAX_OTLP_ENDPOINT_CHARS} characters")
+    _normalise_base_url(key, endpoint)  # an http(s) URL with a host, no query or fragment
+    url = endpoint.strip()
+    parts = urlsplit(url)
+    if not parts.path.strip("/"):
+        url = urlunsplit((parts.scheme, parts.netloc, "/v1/traces", "", ""))
+    if url != endpoint:
+        msgspec.structs.force_setattr(tracing, "otlp_endpoint", url)
+
+
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(
@@ -495,6 +541,8 @@ def _validate_config(cfg: Config) -> None:
         raise ConfigError("probe_port", f"must differ from port ({cfg.port})")
     if not isinstance(cfg.judge, JudgeConfig):
         raise ConfigError("judge", f"expected a JudgeConfig, got {_show(cfg.judge)}")
+    if not isinstance(cfg.tracing, TracingConfig):
+        raise ConfigError("tracing", f"expected a mapping, got {_show(cfg.tracing)}")
     _number("judge_max_concurrency", cfg.judge_max_concurrency, ge=1, integer=True)
     _number("judge_retry_backoff_max_s", cfg.judge_retry_backoff_max_s, ge=0)
     if cfg.judge_schedule not in ("wait_for_all", "eager"):
@@ -680,22 +728,22 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None
     top = parts[0]
     if top not in _CONFIG_KEYS:
         raise ConfigError(key, f"unknown key ({source})")
-    if top == "judge":
+    if top in _NESTED:
         if len(parts) == 1:
-            current = tree.get("judge")
+            current = tree.get(top)
             if isinstance(value, dict) and isinstance(current, dict):
-                tree["judge"] = {**current, **value}
+                tree[top] = {**current, **value}
             else:
-                tree["judge"] = value
+                tree[top] = value
             return
-        if len(parts) > 2 or parts[1] not in _JUDGE_KEYS:
+        if len(parts) > 2 or parts[1] not in _NESTED[top].__struct_fields__:
             raise ConfigError(key, f"unknown key ({source})")
-        current = tree.get("judge")
+        current = tree.get(top)
         if current is None:
             current = {}
         if not isinstance(current, dict):
-            raise ConfigError("judge", f"expected a mapping, got {_show(current)}")
-        tree["judge"] = {**current, parts[1]: value}
+            raise ConfigError(top, f"expected a mapping, got {_show(current)}")
+        tree[top] = {**current, parts[1]: value}
         return
     if len(parts) == 1:
         tree[top] = value
@@ -781,8 +829,9 @@ def _lookup(tree: Any, key: str) -> tuple[bool, Any]:
 
 
 def _literal_choices(key: str) -> tuple[Any, ...]:
-    struct: Any = JudgeConfig if key.startswith("judge.") else Config
-    name = key.removeprefix("judge.")
+    top, dot, rest = key.partition(".")
+    struct: Any = _NESTED[top] if dot and top in _NESTED else Config
+    name = rest if dot and top in _NESTED else key
     for field in msgspec.structs.fields(struct):
         if field.name == name and get_origin(field.type) is Literal:
             return get_args(field.type)
@@ -896,8 +945,9 @@ def _layered_config(
     tree: dict[str, Any], overrides: Sequence[str], env: Mapping[str, str] | None
 ) -> Config:
     """Apply the environment and ``overrides`` to the file's ``tree``, then build the Config."""
-    if tree.get("judge", {}) is None:
-        del tree["judge"]  # `judge:` with every sub-key commented out
+    for nested in _NESTED:
+        if nested in tree and tree[nested] is None:
+            del tree[nested]  # `judge:` with every sub-key commented out
     sources: dict[str, str] = {}
     layered = [*_env_overrides(os.environ if env is None else env)]
     layered += [_parse_override(item) for item in overrides]

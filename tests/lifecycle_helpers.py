@@ -74,7 +74,8 @@ class ScriptedJudge:
         self.finished = 0
         self.cancelled = 0
 
-    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: object = None,
+                         trace: object = None) -> scoring.Verdict:
         self.calls += 1
         try:
             if self.latency_s:

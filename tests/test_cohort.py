@@ -182,7 +182,7 @@ async def test_judge_failure_masks_cohort_and_cancels_siblings(
     cfg = cfg_for()
 
     class OneFails(ScriptedJudge):
-        async def judge_pair(self, request, group=None):  # type: ignore[no-untyped-def]
+        async def judge_pair(self, request, group=None, trace=None):  # type: ignore[no-untyped-def]
             self.calls += 1
             if self.calls == 2:
                 await trio.sleep(1.0)

@@ -14,6 +14,7 @@ from genrm_trio.config import (
     DEFAULT_PRINCIPLE,
     Config,
     JudgeConfig,
+    TracingConfig,
     config_summary,
     format_override,
     load_config,
@@ -60,9 +61,10 @@ def test_default_yaml_lists_every_key_with_a_comment() -> None:
         if not indent:
             parent = name
             commented[name] = "#" in rest
-        elif parent == "judge" and len(indent) == 2:
-            commented[f"judge.{name}"] = "#" in rest
-    expected = {*Config.__struct_fields__, *(f"judge.{n}" for n in JudgeConfig.__struct_fields__)}
+        elif parent in ("judge", "tracing") and len(indent) == 2:
+            commented[f"{parent}.{name}"] = "#" in rest
+    expected = {*Config.__struct_fields__, *(f"judge.{n}" for n in JudgeConfig.__struct_fields__),
+                *(f"tracing.{n}" for n in TracingConfig.__struct_fields__)}
     assert set(commented) == expected
     assert [key for key, has in commented.items() if not has] == []
 

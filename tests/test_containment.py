@@ -48,7 +48,8 @@ async def run_group(registry: CohortRegistry, cfg: Config, **kw: Any) -> Outcome
 class PoisonJudge(ScriptedJudge):
     """Answers absurd verdicts (as a broken plugin could) for prompts that ask for them."""
 
-    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: object = None,
+                         trace: object = None) -> scoring.Verdict:
         verdict = await super().judge_pair(request)
         if "poison" in request.history[-1]["content"]:
             sign = 1.0 if request.response_1 < request.response_2 else -1.0

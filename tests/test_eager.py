@@ -53,7 +53,8 @@ class TimedJudge:
         self.finished = 0
         self.cancelled = 0
 
-    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: object = None,
+                         trace: object = None) -> scoring.Verdict:
         pair = (SLOT_OF[request.response_1], SLOT_OF[request.response_2])
         try:
             if self.limiter is not None:

@@ -19,7 +19,8 @@ class RecordingJudge:
     def __init__(self) -> None:
         self.calls: list[tuple[int, float]] = []
 
-    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: object = None,
+                         trace: object = None) -> scoring.Verdict:
         left = trio.current_effective_deadline() - trio.current_time()
         self.calls.append((request.judge_idx, left))
         await trio.sleep(1.0)

@@ -163,8 +163,8 @@ class LimitedJudge:
         self.limiter = OrderedLimiter(1, order)  # type: ignore[arg-type]
         self.served: list[tuple[float, str, tuple[int, int]]] = []
 
-    async def judge_pair(self, request: JudgeRequest,
-                         group: GroupProgress | None = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: GroupProgress | None = None,
+                         trace: object = None) -> scoring.Verdict:
         async with self.limiter.slot(group):
             prompt = request.history[0]["content"]
             pair = (SLOT_OF[request.response_1], SLOT_OF[request.response_2])

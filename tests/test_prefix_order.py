@@ -43,7 +43,8 @@ class TimedJudge:
     def __init__(self) -> None:
         self.started: list[tuple[float, str, str]] = []
 
-    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: object = None,
+                         trace: object = None) -> scoring.Verdict:
         self.started.append((trio.current_time(), request.response_1, request.response_2))
         digest = hashlib.sha256((request.response_1 + request.response_2).encode()).digest()
         await trio.sleep(1.0 + digest[0] / 64)

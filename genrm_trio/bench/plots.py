@@ -147,7 +147,77 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
             _plot_soak_rss(ax, r, run)
         axes[-1, 0].set_xlabel("minutes since the load started")
         save(fig, "soak_rss.png")
+
+    timelines = [run.notes["timeline"] for r in results if r.preset == "tracing"
+                 for run in r.runs.get("ours", []) if run.notes.get("timeline")]
+    if timelines:
+        fig, ax = plt.subplots(figsize=(10, 4.2))
+        trace_timeline(ax, timelines[-1])
+        save(fig, "tracing_timeline.png")
     return written
+
+
+_SPAN_COLORS = {"request": "tab:blue", "cohort": "tab:green", "judge": "tab:orange"}
+
+
+def trace_timeline(ax: Any, spans: Sequence[dict[str, Any]]) -> None:
+    """One cohort's exported spans on a time axis (ms from its first span): the member
+    requests (SERVER), the ``genrm.cohort`` span with its events, and each judge comparison
+    (CLIENT) with its attempts (failed ones hatched) and backoffs. ``spans`` as
+    :func:`genrm_trio.bench.cases.tracing.decode_spans` gives them."""
+    if not spans:
+        return
+    t0 = min(s["start_ns"] for s in spans)
+
+    def ms(ns: int) -> float:
+        return float(ns - t0) / 1e6
+
+    def kind(s: dict[str, Any]) -> str:
+        if s["name"] == "genrm.cohort":
+            return "cohort"
+        return "request" if s["name"].startswith(("POST ", "GET ")) else "judge"
+
+    order = {"request": 0, "cohort": 1, "judge": 2}
+    rows = sorted(spans, key=lambda s: (order[kind(s)], s["attributes"].get(
+        "genrm.rollout_index", 0), s["start_ns"]))
+    labels = []
+    for y, s in enumerate(rows):
+        k = kind(s)
+        ax.barh(y, ms(s["end_ns"]) - ms(s["start_ns"]), left=ms(s["start_ns"]), height=0.6,
+                color=_SPAN_COLORS[k], alpha=0.35 if k == "judge" else 0.8)
+        attrs = s["attributes"]
+        if k == "request":
+            labels.append(f"{s['name']} slot {attrs.get('genrm.rollout_index', '?')}")
+        elif k == "cohort":
+            labels.append(f"genrm.cohort ({attrs.get('genrm.outcome', '?')})")
+            for e in s["events"]:
+                x = ms(e["time_ns"])
+                ax.plot([x, x], [y - 0.4, y + 0.4], color="black", lw=1)
+                ax.annotate(e["name"].removeprefix("genrm.cohort."), (x, y + 0.35),
+                            fontsize=6, rotation=30)
+        else:
+            labels.append(f"judge #{y - len(rows) + sum(1 for r in rows if kind(r) == 'judge')}"
+                          f" ({attrs.get('genrm.judge.attempts', '?')} attempts)")
+            for e in s["events"]:
+                a = e["attributes"]
+                end = ms(e["time_ns"])
+                if e["name"] == "genrm.judge.attempt":
+                    start = end - 1000.0 * float(a.get("genrm.attempt.duration_s") or 0.0)
+                    failed = a.get("genrm.attempt.outcome") != "answer"
+                    ax.barh(y, end - start, left=start, height=0.6, color="tab:orange",
+                            hatch="//" if failed else None, edgecolor="black", lw=0.5)
+                    if failed:
+                        ax.annotate(str(a.get("error.type")), (start, y - 0.45), fontsize=6)
+                elif e["name"] == "genrm.judge.backoff":
+                    span_ms = 1000.0 * float(a.get("genrm.backoff_s") or 0.0)
+                    ax.plot([end, end + span_ms], [y, y], color="grey", lw=2, ls=":")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the cohort's first request arrived")
+    ax.set_title("one cohort's trace: member requests (blue), genrm.cohort (green), judge "
+                 "comparisons (orange; hatched: failed attempt, dotted: backoff)", fontsize=8)
+    ax.grid(alpha=0.3, axis="x")
 
 
 def _plot_soak_rss(ax: Any, result: CaseResult, run: RunRecord) -> None:

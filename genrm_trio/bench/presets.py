@@ -21,6 +21,7 @@ from genrm_trio.bench.cases.scaleout import scaleout_case
 from genrm_trio.bench.cases.soak import soak_case
 from genrm_trio.bench.cases.steady_state import steady_state_case
 from genrm_trio.bench.cases.step import step_cases
+from genrm_trio.bench.cases.tracing import tracing_case
 from genrm_trio.bench.records import Case
 
 
@@ -90,14 +91,16 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "soak": lambda: [soak_preset()],
     "flood": _flood_cases,
     "economy": economy_cases,
+    "tracing": lambda: [tracing_case()],
 })
 
 
-"""Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak`` and ``flood``
-(which fills the server's memory budget on purpose), in order."""
+"""Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak``, ``flood``
+(which fills the server's memory budget on purpose) and ``tracing`` (which needs the ``[otel]``
+extra), in order."""
 
 
-NOT_IN_ALL = frozenset({"smoke", "soak", "flood"})
+NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing"})
 
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
@@ -107,6 +110,15 @@ SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
                                          "load_max_over_mean")
         for routing in ("least_loaded", "cohort_affinity")
     ) + ("computed_ratio", "makespan_ratio", "rewards_equal"),
+    "tracing": (
+        "verifies_per_s_off",
+        "verifies_per_s_on_1.0",
+        "verifies_per_s_on_0.1",
+        "ratio_on_1.0",
+        "ratio_on_0.1",
+        "cpu_ms_per_cohort_off",
+        "cpu_ms_per_cohort_on_1.0",
+    ),
     "throughput": (
         "loadgen_cpu_pct",
         "verifies_per_s",

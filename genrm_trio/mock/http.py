@@ -28,6 +28,7 @@ class Request(msgspec.Struct):
     method: bytes
     path: str
     body: bytes
+    traceparent: str | None = None  # W3C trace context the caller sent, if any
 
 
 class ConnectionGone(Exception):

@@ -107,6 +107,8 @@ class _Server:
             raise h11.RemoteProtocolError(f"expected a request, got {type(event).__name__}")
         method = event.method
         path = event.target.decode("ascii", "replace").split("?", 1)[0]
+        traceparent = next((v.decode("latin-1") for k, v in event.headers
+                            if k == b"traceparent"), None)
         if conn.client_is_waiting_for_100_continue:
             await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
         chunks: list[bytes] = []
@@ -122,7 +124,7 @@ class _Server:
                 break
             else:
                 raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in body")
-        return Request(method, path, b"".join(chunks))
+        return Request(method, path, b"".join(chunks), traceparent)
 
     async def _send_protocol_error(
         self, stream: trio.SocketStream, conn: h11.Connection, exc: h11.RemoteProtocolError
@@ -186,6 +188,7 @@ class _Server:
         state.calls += 1
         state.calls_by_path[request.path] += 1
         call_no = state.calls
+        state.traceparents.append(request.traceparent)
         state.notify()
         try:
             decoded = json_decode(request.body)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -130,6 +131,9 @@ def settings_from_mapping(values: dict[str, Any]) -> MockJudgeSettings:
         raise ConfigError(key, _VALIDATION_PATH.sub("", message)) from exc
 
 
+TRACEPARENTS_KEPT = 4096
+
+
 class MockJudgeState:
     """Counters and the live fault plan of one mock judge; owned by whoever runs the server.
 
@@ -140,6 +144,8 @@ class MockJudgeState:
     calls spent inside the capacity limit (busy time, for utilisation); ``connections`` counts
     accepted connections. ``prompt_tokens`` and ``cached_tokens`` sum what answered calls
     were charged and found in the prefix cache (``computed_tokens``: the difference).
+    ``traceparents``: the W3C ``traceparent`` header (None when absent)
+    of the last :data:`TRACEPARENTS_KEPT` judge calls, oldest first.
     """
 
     def __init__(
@@ -162,6 +168,7 @@ class MockJudgeState:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
+        self.traceparents: deque[str | None] = deque(maxlen=TRACEPARENTS_KEPT)
         self._changed = trio.lowlevel.ParkingLot()
         self.fault = Fault.NONE
         self.fault_remaining: int | None = None
@@ -202,6 +209,7 @@ class MockJudgeState:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
+        self.traceparents.clear()
         self.set_fault(Fault.NONE, None)
 
     def notify(self) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import trio
 from quart import Response, request
@@ -38,12 +38,13 @@ from genrm_trio.config import Config, config_summary
 from genrm_trio.errors import JudgeFailed, TooLarge, UnsupportedMediaType, WireError
 from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
-from genrm_trio.server.cohort import CohortRegistry, Outcome, Rewarded
+from genrm_trio.server.cohort import CohortRegistry, Failure, Outcome, Rewarded
 from genrm_trio.server.judge import Judge, JudgeRequest
 from genrm_trio.server.judge.h11_pool import MAX_IDLE_PER_ORIGIN
 from genrm_trio.server.process_memory import ProcessMemory
 from genrm_trio.server.prometheus import ServerMetrics
 from genrm_trio.server.shutdown import ShutdownDeadline
+from genrm_trio.server.tracing import NO_REQUEST_SPAN, NO_TRACER, RequestSpan, Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ DISCARD_S = 10.0
 """... and for at most this long."""
 NOTE_INTERVAL_S = 10.0
 """At most one log line per this many seconds for disconnects, 429s and 401s each."""
+TRACE_SCOPE_KEY = "genrm_trio.trace"
+"""Where a traced request's span sits in its ASGI scope, for the quart routes (``/compare``)."""
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -143,7 +146,8 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     @app.post("/compare")
     async def compare() -> Response:
         body = wire.decode_compare(await _read_body(), cfg.max_compare_responses)
-        return await _compare(cfg, judge, body)
+        span = cast(RequestSpan, request.scope.get(TRACE_SCOPE_KEY, NO_REQUEST_SPAN))
+        return await _compare(cfg, judge, body, span)
 
     @app.get("/")
     @app.get("/health")
@@ -281,21 +285,28 @@ class VerifyEndpoint:
             logger, "/verify refused a new cohort: 429 overloaded", NOTE_INTERVAL_S)
 
     async def __call__(self, scope: Any, receive: Any, send: Any,
-                       rollout_id: str | None = None) -> None:
-        """Read, decode, register, wait, answer; the outcome's label goes to the metrics. While
+                       rollout_id: str | None = None,
+                       span: RequestSpan = NO_REQUEST_SPAN) -> None:
+        """Read, decode, register, wait, answer; the outcome's label goes to the metrics and
+        to the request's ``span`` (server/tracing.py), the member's coordinates too. While
         the member waits this is one coroutine frame above the registry's (thousands of members
         may wait at once: each frame costs a few hundred bytes per waiter, issue 21)."""
         started = trio.current_time()
         member = await self._read_member(scope, receive, send, rollout_id)
+        detail = None
         if isinstance(member, str):  # answered already, or the client left
             label = member
         elif self._cfg.num_rollouts_per_prompt <= 1:
+            span.member(member)
             await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
             label = "rewarded"
         else:
+            span.member(member)
             outcome = await self._registry.verify_unless_gone(
-                member, partial(_until_disconnect, receive))
+                member, partial(_until_disconnect, receive), span)
             label = await self._send_outcome(send, member, outcome)
+            detail = outcome.detail if isinstance(outcome, Failure) else None
+        span.outcome(label, label == "masked", detail)
         if self._metrics is not None:
             self._metrics.observe_verify(label, trio.current_time() - started)
 
@@ -466,17 +477,19 @@ class _ShieldedSend:
     message, under the same one scope. An object of its own rather than a closure: it lives as
     long as its request, and thousands of requests may wait at once (issue 21)."""
 
-    __slots__ = ("_send", "_shutdown", "_grace_s", "_start")
+    __slots__ = ("_send", "_shutdown", "_grace_s", "_start", "status")
 
     def __init__(self, send: Any, shutdown: ShutdownDeadline, grace_s: float) -> None:
         self._send = send
         self._shutdown = shutdown
         self._grace_s = grace_s
         self._start: Any = None
+        self.status: int | None = None  # the answer's, once started (for the request's span)
 
     async def __call__(self, message: Any) -> None:
         if message["type"] == "http.response.start":
             self._start = message
+            self.status = message["status"]
             return
         with self._shutdown.scope(bound_s=self._grace_s, shield=True):
             try:
@@ -494,11 +507,14 @@ class _ShieldedSend:
 
 def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
                           shutdown: ShutdownDeadline, *, auth: BearerAuth | None = None,
-                          metrics: ServerMetrics | None = None) -> Any:
+                          metrics: ServerMetrics | None = None,
+                          tracer: Tracer = NO_TRACER) -> Any:
     """The ASGI application served: ``POST /verify`` goes to :class:`VerifyEndpoint`,
     everything else (other routes, lifespan) to the quart-trio app. With ``auth``, an HTTP
     request without the bearer token is answered 401 here, before either sees it. Every send
-    is bounded by ``shutdown_grace_s`` and, once shutdown has begun, by its one deadline."""
+    is bounded by ``shutdown_grace_s`` and, once shutdown has begun, by its one deadline.
+    With tracing on, each request but the probes and ``/metrics`` has a SERVER span
+    (``tracer.request``), ended with the answer's status when the request is done."""
     verify = VerifyEndpoint(cfg, registry, metrics)
     grace_s = cfg.shutdown_grace_s
     refused = RateLimitedNote(logger, "request refused: 401 unauthorized", NOTE_INTERVAL_S)
@@ -518,27 +534,34 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
         if rollout_id is not None:
             scope = {**scope, "path": path, "raw_path": path.encode("utf-8", "surrogateescape"),
                      wire.ROLLOUT_ID_SCOPE_KEY: rollout_id}
-        if auth is not None and not auth.allows(path, scope["headers"]):
-            # Never log what the client sent: it may be a near-miss of the real token.
-            refused.note({"path": path[:100]})
-            if metrics is not None:
-                metrics.unauthorized()
-            await _unauthorized(cfg, scope, receive, shielded_send)
-        elif path != "/verify":
-            declared = _declared_length(scope)
-            if declared is not None and declared > cfg.max_request_bytes:
-                await answer_too_large(cfg, receive, shielded_send)
+        # No span (a shared no-op) unless tracing is on: the untraced path allocates nothing.
+        span = tracer.request(scope["method"], path, scope["headers"], rollout_id)
+        if span.recording:
+            scope = {**scope, TRACE_SCOPE_KEY: span}
+        try:
+            if auth is not None and not auth.allows(path, scope["headers"]):
+                # Never log what the client sent: it may be a near-miss of the real token.
+                refused.note({"path": path[:100]})
+                if metrics is not None:
+                    metrics.unauthorized()
+                await _unauthorized(cfg, scope, receive, shielded_send)
+            elif path != "/verify":
+                declared = _declared_length(scope)
+                if declared is not None and declared > cfg.max_request_bytes:
+                    await answer_too_large(cfg, receive, shielded_send)
+                else:
+                    await app(scope, receive, shielded_send)
+            elif scope["method"] == "POST":
+                await verify(scope, receive, shielded_send, rollout_id, span)
             else:
-                await app(scope, receive, shielded_send)
-        elif scope["method"] == "POST":
-            await verify(scope, receive, shielded_send, rollout_id)
-        else:
-            await _send_json(
-                shielded_send, 405,
-                wire.error_body(f"method {scope['method']} not allowed on /verify; use POST",
-                                "bad_request"),
-                [(b"allow", b"POST")],
-            )
+                await _send_json(
+                    shielded_send, 405,
+                    wire.error_body(f"method {scope['method']} not allowed on /verify; use POST",
+                                    "bad_request"),
+                    [(b"allow", b"POST")],
+                )
+        finally:
+            span.end(shielded_send.status)
 
     return application
 
@@ -580,9 +603,11 @@ async def _drain_then_answer(cfg: Config, scope: Any, receive: Any, send: Any, s
     await answer_then_discard(receive, send, status, body, headers)
 
 
-async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Response:
+async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest,
+                   span: RequestSpan = NO_REQUEST_SPAN) -> Response:
     """Judge the given responses now (stateless). A judge failure cancels the sibling
-    comparisons and answers 503 with the error as ``detail``."""
+    comparisons and answers 503 with the error as ``detail``. Each comparison's span is a
+    child of the request's ``span``."""
     n = len(body.response_objs)
     if n < 2:
         return json_response({
@@ -602,7 +627,7 @@ async def _compare(cfg: Config, judge: Judge, body: wire.CompareRequest) -> Resp
         req = JudgeRequest(history=history, response_1=answers[i], response_2=answers[j],
                            principle=principle, judge_idx=k)
         try:
-            verdicts[index] = await judge.judge_pair(req)
+            verdicts[index] = await judge.judge_pair(req, trace=span)
         except JudgeFailed as exc:
             if not failure:
                 failure.append(str(exc))

@@ -50,6 +50,15 @@ from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Affinity, GroupProgress, JudgeRequest
+from genrm_trio.server.tracing import (
+    NO_COHORT_TRACE,
+    NO_REQUEST_SPAN,
+    NO_TRACER,
+    CohortTrace,
+    JudgeParent,
+    RequestSpan,
+    Tracer,
+)
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
@@ -110,8 +119,8 @@ Outcome = Rewarded | Failure
 
 
 class PairJudge(Protocol):
-    async def judge_pair(self, request: JudgeRequest,
-                         group: GroupProgress | None = None) -> scoring.Verdict: ...
+    async def judge_pair(self, request: JudgeRequest, group: GroupProgress | None = None,
+                         trace: JudgeParent = NO_COHORT_TRACE) -> scoring.Verdict: ...
 
 
 class CohortObserver(Protocol):
@@ -170,7 +179,7 @@ class Cohort:
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
         "cached_tokens", "wakers", "wake", "scored", "pair_scopes", "dropped_pairs",
-        "judge_affinity",
+        "judge_affinity", "trace",
     )
 
     def __init__(
@@ -215,6 +224,7 @@ class Cohort:
         self.output_tokens = 0
         self.cached_tokens = 0  # of input_tokens, what the judge found in its prefix cache
         self.judge_affinity = Affinity()  # its home endpoint under judge.routing: cohort_affinity
+        self.trace: CohortTrace = NO_COHORT_TRACE  # its genrm.cohort span (server/tracing.py)
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -292,7 +302,7 @@ class CohortRegistry:
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
                  journal: Journal | None = None, observer: CohortObserver | None = None,
-                 *, service: trio.Nursery | None = None) -> None:
+                 *, service: trio.Nursery | None = None, tracer: Tracer = NO_TRACER) -> None:
         # `serve` hands over a config resolved at start; a registry built from a plain one
         # (tests, tools) resolves max_active_bytes: auto here, once.
         self._cfg = cfg = memory_limit.resolved(cfg)
@@ -301,6 +311,7 @@ class CohortRegistry:
         # their connections from the start.
         self._service = service
         self._observer = observer
+        self._tracer = tracer
         self._judge = judge
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
@@ -331,7 +342,8 @@ class CohortRegistry:
     @classmethod
     @asynccontextmanager
     async def open(cls, cfg: Config, judge: PairJudge, journal: Journal | None = None,
-                   observer: CohortObserver | None = None) -> AsyncIterator[CohortRegistry]:
+                   observer: CohortObserver | None = None,
+                   tracer: Tracer = NO_TRACER) -> AsyncIterator[CohortRegistry]:
         """Open a registry with its own nursery for the lifetime of the block.
 
         Cohort tasks run in that nursery only; the one watch timer (see
@@ -340,7 +352,8 @@ class CohortRegistry:
         answered and every cohort task ends promptly; the block then waits for them. Cohort
         failures never propagate out of here (each cohort task contains its own)."""
         async with trio.open_nursery() as service, trio.open_nursery() as nursery:
-            registry = cls(cfg, judge, nursery, journal, observer, service=service)
+            registry = cls(cfg, judge, nursery, journal, observer, service=service,
+                           tracer=tracer)
             try:
                 yield registry
             finally:
@@ -380,7 +393,7 @@ class CohortRegistry:
     def journal(self) -> Journal | None:
         return self._journal
 
-    async def verify(self, member: VerifyMember) -> Outcome:
+    async def verify(self, member: VerifyMember, span: RequestSpan = NO_REQUEST_SPAN) -> Outcome:
         """Admit one member and wait for its cohort's outcome.
 
         Registration is synchronous. Blocks until the cohort completes or fails (never longer than
@@ -388,12 +401,13 @@ class CohortRegistry:
         stays and the cohort goes on. Returns the member's reward or an explicit failure; never
         raises for a documented condition.
         """
-        outcome = await self.verify_unless_gone(member, None)
+        outcome = await self.verify_unless_gone(member, None, span)
         assert outcome is not None  # only a client_gone wait ends without an outcome
         return outcome
 
     async def verify_unless_gone(
         self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]] | None,
+        span: RequestSpan = NO_REQUEST_SPAN,
     ) -> Outcome | None:
         """:meth:`verify` for an HTTP handler: while the member waits, ``client_gone()`` runs in
         the handler's own task (it reads the connection until the client hangs up) and the
@@ -403,7 +417,8 @@ class CohortRegistry:
         timer finds the cohort :data:`DISCONNECT_WATCH_AFTER_S` old (at once for a member that
         joins it later), so a client that hangs up sooner is noticed then; waiters of a cohort
         that resolves sooner wake on its event alone. Without ``client_gone`` (None) it waits
-        for the outcome alone.
+        for the outcome alone. ``span``: the request's span (server/tracing.py), linked with
+        its cohort's.
 
         One coroutine frame for the whole wait (no helpers awaited in between): with thousands
         of members waiting, each frame costs a few hundred bytes per waiter (issue 21)."""
@@ -413,6 +428,7 @@ class CohortRegistry:
             return admitted
         cohort, duplicate = admitted
         slot = member.rollout_index or 0
+        cohort.trace.joined(span, slot, duplicate)
         # A duplicate holds its own body while it waits: it counts towards max_active_bytes
         # like a member does.
         held = member.size_bytes if duplicate else 0
@@ -461,6 +477,7 @@ class CohortRegistry:
         if self._watch_timer_scope is not None:
             self._watch_timer_scope.cancel()
         self._watch_due.clear()
+        self._tracer.shutdown_began(len(self._active), self._waiters)
         failure = Failure(503, "shutdown", "the server is shutting down")
         for cohort in list(self._active.values()):
             self._fail(cohort, failure)
@@ -634,6 +651,8 @@ class CohortRegistry:
             ),
             now,
         )
+        cohort.trace = self._tracer.cohort(identity.describe(key), key.group_id, key.attempt,
+                                           cohort.size)
         self._active[key] = cohort
         if key.group_id is not None:
             self._active_by_group.setdefault(key.group_id, {})[key.attempt] = cohort
@@ -674,6 +693,7 @@ class CohortRegistry:
         cohort.arrival.set()
         if len(cohort.members) == cohort.size and self._transition(cohort, Phase.EVALUATING):
             cohort.evaluating_at = trio.current_time()
+            cohort.trace.collected()
 
     def _transition(self, cohort: Cohort, new: Phase) -> bool:
         """The one place a phase changes: compare-and-set against the allowed transitions.
@@ -735,6 +755,7 @@ class CohortRegistry:
                 # inside it, so the judge sees it (a Retry-After beyond it fails at once).
                 pair_nursery.cancel_scope.deadline = (
                     trio.current_time() + cfg.cohort_evaluation_timeout_s)
+                cohort.trace.evaluation_started(len(cohort.pairs) - len(cohort.started_pairs))
                 self._start_ready_pairs(cohort, pair_nursery)
                 await cohort.pairs_done.wait()
                 pair_nursery.cancel_scope.cancel()  # all done: nothing is left to stop
@@ -824,7 +845,7 @@ class CohortRegistry:
                          scope: trio.CancelScope, nursery: trio.Nursery) -> None:
         try:
             with scope:
-                verdict = await self._judge.judge_pair(request, cohort)
+                verdict = await self._judge.judge_pair(request, cohort, cohort.trace)
             if scope.cancelled_caught:  # dropped by a re-plan (counted as wasted there)
                 return
         except JudgeFailed as exc:
@@ -933,27 +954,28 @@ class CohortRegistry:
             status = f"completed partial ({cohort.scored_count} of {cohort.size} members)"
         else:
             status = f"failed ({kind})"
+        fields: dict[str, Any] = {
+            "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
+            "members": len(cohort.members), "size": cohort.size,
+            # Judged over the members present (incomplete_cohort_policy: judge_present).
+            **({} if cohort.scored is None else {"partial": True, "scored": len(cohort.scored)}),
+            "total_s": round(now - cohort.opened_at, 6),
+            "collection_s": round(collection_s, 6),
+            "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
+            "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
+            "defaulted_comparisons": cohort.defaulted,
+            "judge_input_tokens": cohort.input_tokens,
+            "judge_output_tokens": cohort.output_tokens,
+            "judge_cached_tokens": cohort.cached_tokens,
+            **_rollout_ids(cohort),
+        }
         logger.info(
             "%s %s after %.3f s: %s; judge tokens %d in, %d out, %d cached", key, status,
             now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
             cohort.cached_tokens,
-            extra={
-                "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
-                "members": len(cohort.members), "size": cohort.size,
-                # Judged over the members present (incomplete_cohort_policy: judge_present).
-                **({} if cohort.scored is None else {"partial": True,
-                                                     "scored": len(cohort.scored)}),
-                "total_s": round(now - cohort.opened_at, 6),
-                "collection_s": round(collection_s, 6),
-                "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
-                "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
-                "defaulted_comparisons": cohort.defaulted,
-                "judge_input_tokens": cohort.input_tokens,
-                "judge_output_tokens": cohort.output_tokens,
-                "judge_cached_tokens": cohort.cached_tokens,
-                **_rollout_ids(cohort),
-            },
+            extra=fields,
         )
+        cohort.trace.disposed(kind, fields)
         if self._observer is not None:
             self._observer.cohort_done(kind, collection_s, evaluation_s,
                                        cohort.scored is not None)

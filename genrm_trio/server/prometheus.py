@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from genrm_trio.server.cohort import CohortRegistry
     from genrm_trio.server.judge import Judge
+    from genrm_trio.server.tracing import Tracer
 
 # Members of a cohort: every small size, then powers of two (num_rollouts_per_prompt is
 # usually 4..64).
@@ -91,10 +92,13 @@ class ServerMetrics:
         self._evaluation_children: dict[str, Any] = {}
         self._judge_children: dict[tuple[str, bool], Any] = {}
 
-    def read_from(self, registry: CohortRegistry, judge: Judge) -> None:
-        """Read ``registry`` and ``judge`` at every scrape from now on (they outlive this)."""
+    def read_from(self, registry: CohortRegistry, judge: Judge,
+                  tracer: Tracer | None = None) -> None:
+        """Read ``registry``, ``judge`` and, with tracing on, ``tracer`` at every scrape from
+        now on (they outlive this)."""
         self._snapshot.registry = registry
         self._snapshot.judge = judge
+        self._snapshot.tracer = tracer
 
     # ---------------------------------------------------------------- hooks
 
@@ -154,6 +158,7 @@ class _SnapshotCollector(Collector):
     def __init__(self) -> None:
         self.registry: CohortRegistry | None = None
         self.judge: Judge | None = None
+        self.tracer: Tracer | None = None
 
     def describe(self) -> list[Metric]:
         return []  # families depend on what the sources hold; no up-front description
@@ -163,6 +168,11 @@ class _SnapshotCollector(Collector):
             yield from _registry_families(self.registry)
         if self.judge is not None:
             yield from _judge_families(self.judge)
+        if self.tracer is not None and self.tracer.enabled:
+            yield CounterMetricFamily(
+                "genrm_trace_export_failures",
+                "Spans whose export to the OTLP collector failed (unreachable or refusing).",
+                value=self.tracer.export_failures)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

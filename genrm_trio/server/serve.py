@@ -46,6 +46,7 @@ from genrm_trio.server.shutdown import (
     ShutdownDeadline,
     abort_client_connections,
 )
+from genrm_trio.server.tracing import FLUSH_BOUND_S, Tracer, close_tracer, open_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ async def run_server(
     *,
     shutdown: trio.Event | None = None,
     deadline: ShutdownDeadline | None = None,
+    tracer: Tracer | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``cfg`` until ``shutdown`` is set (graceful) or this task is cancelled (abrupt).
@@ -84,7 +86,9 @@ async def run_server(
     is set if the caller has not begun it already; by default one of ``shutdown_grace_s``)
     every client connection still open is aborted, so this returns shortly after it whatever
     the clients do. Raises :class:`~genrm_trio.errors.ConfigError` before binding when
-    ``auth_token_env`` names a variable that is not set.
+    ``auth_token_env`` names a variable that is not set, or ``tracing.enabled`` without the
+    ``[otel]`` extra. ``tracer`` (tests: one with an in-memory exporter) replaces the one
+    ``tracing`` asks for; it is closed here either way.
     """
     stop = shutdown if shutdown is not None else trio.Event()
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
@@ -92,26 +96,33 @@ async def run_server(
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
+    if tracer is None:
+        tracer = open_tracer(cfg)  # before anything opens: a missing extra stops the start
     journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
                else None)
     metrics = ServerMetrics()
     try:
         async with (
             open_judge(cfg, observer=metrics) as judge,
-            CohortRegistry.open(cfg, judge, journal, observer=metrics) as registry,
+            CohortRegistry.open(cfg, judge, journal, observer=metrics,
+                                tracer=tracer) as registry,
             trio.open_nursery() as root,
         ):
-            metrics.read_from(registry, judge)
-            await _serve_in(cfg, judge, registry, root, stop, drain, auth, metrics, task_status)
+            metrics.read_from(registry, judge, tracer)
+            await _serve_in(cfg, judge, registry, root, stop, drain, auth, metrics, tracer,
+                            task_status)
     finally:
         if journal is not None:
             journal.close()
+        # Last, so the cohort spans that shutdown ended go out too; within the deadline's
+        # cleanup allowance (or FLUSH_BOUND_S when the server stopped early).
+        await close_tracer(tracer, min(FLUSH_BOUND_S, drain.remaining_s() + CLEANUP_S / 2))
 
 
 async def _serve_in(
     cfg: ResolvedConfig, judge: Judge, registry: CohortRegistry, root: trio.Nursery,
     stop: trio.Event, drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
-    task_status: trio.TaskStatus[str],
+    tracer: Tracer, task_status: trio.TaskStatus[str],
 ) -> None:
     """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``, and
     the probe listener beside it when ``probe_port`` is set. The probe port is bound first,
@@ -152,7 +163,8 @@ async def _serve_in(
 
     async def hypercorn_task(task_status: trio.TaskStatus[list[str]]) -> None:
         await connections.serve(  # Hypercorn's serve, with leaner connections
-            with_verify_fast_path(app, cfg, registry, drain, auth=auth, metrics=metrics),
+            with_verify_fast_path(app, cfg, registry, drain, auth=auth, metrics=metrics,
+                                  tracer=tracer),
             _hypercorn_config(cfg),
             shutdown_trigger=shutdown_trigger,
             task_status=task_status,

@@ -56,7 +56,8 @@ class ScriptedJudge:
         self.crashed: set[int] = set()
         self.log: list[JudgeCall] = []
 
-    async def judge_pair(self, request: JudgeRequest, group: object = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: object = None,
+                         trace: object = None) -> scoring.Verdict:
         group = int(request.response_1.split(" ", 1)[0][1:])
         mode, delay_s = self.modes.get(group, ("ok", 0.0))
         self.calls += 1

@@ -17,7 +17,7 @@ from genrm_trio.bench.records import BenchContext, Case, RunRecord
 class _InstantJudge:
     """A judge that answers every pair at once with a tie: admission is measured, not judging."""
 
-    async def judge_pair(self, request: Any, group: Any = None) -> Any:
+    async def judge_pair(self, request: Any, group: Any = None, trace: Any = None) -> Any:
         from genrm_trio.scoring import Verdict
 
         return Verdict(score_1=3.0, score_2=3.0, ranking=3.5)

@@ -12,6 +12,7 @@ from typing import Protocol
 import msgspec
 
 from genrm_trio.errors import FatalJudgeError, TransientJudgeError
+from genrm_trio.server.tracing import NO_JUDGE_SPAN, JudgeSpan
 
 #: Longest error text that leaves the judge (failure reasons, logs).
 MAX_ERROR_CHARS = 600
@@ -57,11 +58,13 @@ class JudgeCallObserver(Protocol):
 class PairState:
     """What the attempts of one comparison share: the token tally (the backend adds what each
     answer's ``usage`` reports, cached prompt tokens included), where the last attempt went
-    (``last_endpoint``, so a retry can prefer another) and the comparison's group (``group``:
-    its cohort, for ``cohort_affinity`` routing; None for ``/compare``). Owned by the retry loop
-    of that comparison."""
+    (``last_endpoint``, so a retry can prefer another), the comparison's group (``group``: its
+    cohort, for ``cohort_affinity`` routing; None for ``/compare``), the comparison's span
+    (``span``, server/tracing.py) and the label of the last failed attempt. Owned by the retry
+    loop of that comparison."""
 
-    __slots__ = ("input_tokens", "output_tokens", "cached_tokens", "last_endpoint", "group")
+    __slots__ = ("input_tokens", "output_tokens", "cached_tokens", "last_endpoint", "group",
+                 "span", "last_reason")
 
     def __init__(self, group: object | None = None) -> None:
         self.input_tokens = 0
@@ -69,6 +72,8 @@ class PairState:
         self.cached_tokens = 0
         self.last_endpoint: object | None = None
         self.group = group
+        self.span: JudgeSpan = NO_JUDGE_SPAN
+        self.last_reason: str | None = None
 
     def add(self, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> None:
         self.input_tokens += input_tokens

@@ -6,6 +6,7 @@ The only file of genrm-trio that imports ``h11``.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from typing import cast
 
 import h11
@@ -110,13 +111,14 @@ class H11Pool:
             ) from exc
         return _H11Connection(stream)
 
-    async def post(self, endpoint: Endpoint, content: bytes) -> Answer:
-        """POST ``content`` to ``endpoint``; blocks until the whole answer is read (the caller's
-        trio deadline bounds it)."""
+    async def post(self, endpoint: Endpoint, content: bytes,
+                   headers: Sequence[tuple[str, str]] = ()) -> Answer:
+        """POST ``content`` to ``endpoint`` with ``headers`` added; blocks until the whole
+        answer is read (the caller's trio deadline bounds it)."""
         origin = self._origin(endpoint)
         self._busy[origin] = self._busy.get(origin, 0) + 1
         try:
-            return await self._post(endpoint, content)
+            return await self._post(endpoint, content, headers)
         finally:
             self._busy[origin] -= 1
 
@@ -125,7 +127,8 @@ class H11Pool:
         url = endpoint.split_url
         return url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
 
-    async def _post(self, endpoint: Endpoint, content: bytes) -> Answer:
+    async def _post(self, endpoint: Endpoint, content: bytes,
+                    headers: Sequence[tuple[str, str]]) -> Answer:
         url = endpoint.split_url
         display = endpoint.display
         scheme = url.scheme
@@ -135,6 +138,8 @@ class H11Pool:
         target = (url.path or "/").encode() + (b"?" + url.query.encode() if url.query else b"")
         request_headers = [(b"host", url.netloc.rpartition("@")[2].encode()),
                            (b"content-length", str(len(content)).encode()), *self._headers]
+        if headers:  # the trace's traceparent; none (and nothing built) when tracing is off
+            request_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         idle = self._idle.setdefault(origin, [])
         while True:
             reused = bool(idle)

@@ -94,6 +94,7 @@ class HttpBackend:
                 state.last_endpoint, affinity if isinstance(affinity, Affinity) else None,
                 tokens, state.group, request.place)
             state.last_endpoint = chosen
+            state.span.endpoint(chosen.display)
             chosen.picks += 1
             try:
                 return await self._call_endpoint(chosen, content, state)
@@ -101,6 +102,7 @@ class HttpBackend:
                 self._endpoints.release(chosen, tokens)
         endpoint = self._endpoints.choose(state.last_endpoint)
         state.last_endpoint = endpoint
+        state.span.endpoint(endpoint.display)
         endpoint.picks += 1
         endpoint.outstanding_tokens += tokens
         try:
@@ -128,7 +130,8 @@ class HttpBackend:
             timeout_s = self._cfg.judge_request_timeout_s
             try:
                 with trio.move_on_after(timeout_s) as deadline:
-                    answer = await self._transport.post(endpoint, content)
+                    answer = await self._transport.post(endpoint, content,
+                                                        state.span.headers())
             except AttemptFailed:
                 endpoint_failed = True
                 raise
@@ -165,6 +168,7 @@ class HttpBackend:
             input_tokens = input_tokens or timed_prompt  # llama.cpp: timings without usage
             cached_tokens = min(cached_tokens, input_tokens) if input_tokens else cached_tokens
             state.add(input_tokens, output_tokens, cached_tokens)
+            state.span.answer(body)
             endpoint.input_tokens += input_tokens
             endpoint.output_tokens += output_tokens
             endpoint.cached_tokens += cached_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import ssl
+from collections.abc import Sequence
 
 import httpx2
 
@@ -63,12 +64,14 @@ class HttpxTransport:
         shards.append(shard)
         return shard
 
-    async def post(self, endpoint: Endpoint, content: bytes) -> Answer:
+    async def post(self, endpoint: Endpoint, content: bytes,
+                   headers: Sequence[tuple[str, str]] = ()) -> Answer:
         shard = self._choose_shard(endpoint)
         shard.in_flight += 1
         try:
-            response = await shard.client.post(endpoint.url, content=content,
-                                               headers=self._headers)
+            response = await shard.client.post(
+                endpoint.url, content=content,
+                headers={**self._headers, **dict(headers)} if headers else self._headers)
         except (httpx2.UnsupportedProtocol, httpx2.InvalidURL) as exc:
             raise AttemptFatal("config", f"judge {endpoint.display}: {exc}") from exc
         except (httpx2.RequestError, httpx2.StreamError) as exc:

@@ -37,6 +37,7 @@ from genrm_trio.server.judge.endpoints import display_url
 from genrm_trio.server.judge.http_backend import HttpBackend
 from genrm_trio.server.judge.httpx_transport import HttpxBaseTransport
 from genrm_trio.server.judge.order import GroupProgress, OrderedLimiter
+from genrm_trio.server.tracing import NO_COHORT_TRACE, JudgeParent
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ class Judge:
         """``http``, ``plugin`` or ``builtin``."""
         return self._backend.kind
 
-    async def judge_pair(self, request: JudgeRequest,
-                         group: GroupProgress | None = None) -> scoring.Verdict:
+    async def judge_pair(self, request: JudgeRequest, group: GroupProgress | None = None,
+                         trace: JudgeParent = NO_COHORT_TRACE) -> scoring.Verdict:
         """Judge one comparison, using its whole retry budget.
 
         Blocks until a verdict or a final failure. Each attempt holds one token of the global
@@ -114,21 +115,28 @@ class Judge:
         Returns the parsed verdict, or the default verdict (``defaulted`` set) when the budget
         ran out and some attempt did give a usable (but unparseable) answer (with
         ``unparseable_verdict_policy: mask`` that is a failure instead); either carries the
-        tokens the judge reported for all attempts. Raises
+        tokens the judge reported for all attempts. The comparison's span (server/tracing.py)
+        is started from ``trace`` (its cohort's span, or a ``/compare`` request's) and ended
+        here, whatever the outcome. Raises
         :class:`~genrm_trio.errors.JudgeFailed` (short text, no api key, the tokens spent) on a
         non-retryable error, a per-request timeout, a Retry-After beyond the enclosing
         deadline, or an exhausted budget without any usable answer.
         """
         state = PairState(group)
+        state.span = span = trace.judge_call(request.judge_idx)
+        outcome, error_type = "cancelled", None
         try:
             verdict = await self._judge(request, state, group)
+            outcome = "default" if verdict.defaulted else "verdict"
         except JudgeFailed as exc:
+            outcome, error_type = "failed", state.last_reason
             raise JudgeFailed(str(exc), state.input_tokens, state.output_tokens,
                               state.cached_tokens) from None
         finally:
             self.stats.input_tokens += state.input_tokens
             self.stats.output_tokens += state.output_tokens
             self.stats.cached_tokens += state.cached_tokens
+            span.end(outcome, error_type, state.input_tokens, state.output_tokens)
         return msgspec.structs.replace(
             verdict, input_tokens=state.input_tokens, output_tokens=state.output_tokens,
             cached_tokens=state.cached_tokens)
@@ -149,6 +157,7 @@ class Judge:
                     self._check_hint(retry_after, last_error)
                 stats.retries += 1
                 delay = self._backoff_s(k - 1, retry_after)
+                state.span.backoff(k, delay)
                 await trio.sleep(delay)
                 stats.backoff_seconds_sum += delay  # completed waits only
             retry_after = None
@@ -156,10 +165,12 @@ class Judge:
                 text = await self._attempt(request, k, state, group)
             except AttemptFatal as exc:
                 self._count(exc.reason)
+                state.last_reason = exc.reason
                 stats.comparisons_failed += 1
                 raise JudgeFailed(self._safe(str(exc))) from None
             except AttemptFailed as exc:
                 self._count(exc.reason)
+                state.last_reason = exc.reason
                 stats.transient_errors += 1
                 if exc.reason == "unusable":
                     stats.unusable_answers += 1
@@ -174,6 +185,8 @@ class Judge:
                 return scoring.parse_judge_output(text, cfg.default_score, cfg.default_ranking)
             except JudgeParseError as exc:
                 self._count("parse")
+                state.last_reason = "parse"
+                state.span.attempt(k, "parse", 0.0)
                 stats.parse_failures += 1
                 last_error = f"unparseable answer: {exc}"
         if usable_seen and cfg.unparseable_verdict_policy == "mask":
@@ -221,12 +234,17 @@ class Judge:
             self.stats.calls += 1
             started = trio.current_time()
             ok = False
+            reason = "cancelled"
             try:
                 text = await self._backend.call(request, attempt, state)
                 ok = True
                 return text
+            except (AttemptFailed, AttemptFatal) as exc:
+                reason = exc.reason
+                raise
             finally:
                 elapsed = trio.current_time() - started
+                state.span.attempt(attempt, None if ok else reason, elapsed)
                 self.stats.latency_seconds_sum += elapsed
                 if self._observer is not None:
                     self._observer.judge_call(self._backend.kind, ok, elapsed)

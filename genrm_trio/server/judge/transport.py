@@ -9,7 +9,7 @@ trio + h11 keep-alive pool) and :mod:`.httpx_transport` (httpx2 clients; tests h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from genrm_trio.server.judge.endpoints import Endpoint
@@ -27,8 +27,10 @@ class Answer:
 
 
 class Transport(Protocol):
-    async def post(self, endpoint: Endpoint, content: bytes) -> Answer:
-        """POST ``content`` (JSON) to ``endpoint``; blocks until the whole answer is read."""
+    async def post(self, endpoint: Endpoint, content: bytes,
+                   headers: Sequence[tuple[str, str]] = ()) -> Answer:
+        """POST ``content`` (JSON) to ``endpoint`` with ``headers`` added to the client's own
+        (the trace's ``traceparent``); blocks until the whole answer is read."""
         ...
 
     def clients(self, endpoint: Endpoint) -> int:

@@ -1,0 +1,639 @@
+"""Cohort-level traces with OpenTelemetry (issue 20): the only module that imports it.
+
+Off by default, and then free: :data:`NO_TRACER` and the span objects it hands out are
+stateless no-ops shared by every request (no allocation, no import of ``opentelemetry``). With
+``tracing.enabled`` (and the ``[otel]`` extra), :func:`open_tracer` builds :class:`_OtelTracer`
+and the rest of the server talks to it through the same small interface:
+
+- the app: one SERVER span per HTTP request (:meth:`Tracer.request`), continuing the caller's
+  ``traceparent``; ``/verify`` adds the member's coordinates and its outcome;
+- the cohort registry: one ``genrm.cohort`` span per cohort (:meth:`Tracer.cohort`), the root of
+  a trace of its own, linked to each member's span as it joins (the member's span carries the
+  cohort's trace id and a link back), with events for collected, evaluation started, published
+  or failed; the registry's shutdown is one short span with its counts (no span per waiter);
+- the judge: one CLIENT span per comparison (:meth:`JudgeParent.judge_call`), started from its
+  cohort's span (or the ``/compare`` request's) explicitly, never from the ambient context
+  (trio copies the spawning request's context into the cohort's tasks); every attempt and
+  backoff is an event, the GenAI attributes are set when it ends, and its ``traceparent`` goes
+  into the judge's HTTP request.
+
+No prompt or answer text, no judge error text and no secret goes into any attribute: only ids,
+coordinates, counts, labels from fixed sets, and the judge's model name and finish reasons.
+
+Export: the SDK's batch processor exports from its own thread; :func:`close_tracer` flushes and
+shuts it down through ``trio.to_thread`` under a bound, abandoning the thread if the collector
+outlasts it. A failed export costs a counter (``genrm_trace_export_failures_total``) and one
+rate-limited log line; the OTLP exporter's own per-failure log lines are filtered out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from genrm_trio.config import Config
+from genrm_trio.errors import ConfigError
+from genrm_trio.logs import RateLimitedNote
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    from opentelemetry.trace import Span
+
+    from genrm_trio.wire import VerifyMember
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install -e '.[otel]'"
+SERVICE_NAME = "genrm-trio"
+#: How long closing the tracer (flushing what is queued) may take at exit, at most.
+FLUSH_BOUND_S = 2.0
+#: At most one log line per this many seconds about failed exports.
+EXPORT_NOTE_INTERVAL_S = 60.0
+#: Requests to these paths get no span (probes and scrapes: noise, and they come often).
+UNTRACED_PATHS = frozenset({"/", "/health", "/healthz", "/livez", "/readyz", "/metrics"})
+#: Caller-supplied ids in attributes are cut to this many characters.
+MAX_ID_CHARS = 256
+_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",)
+_EMPTY: tuple[tuple[str, str], ...] = ()
+
+
+# --------------------------------------------------------------------------- the interface
+
+
+class JudgeSpan:
+    """One judge comparison's span (no-op base). Owned by the judge's retry loop, which ends
+    it. ``recording`` says whether anything is kept (callers may skip work when not)."""
+
+    __slots__ = ()
+    recording = False
+
+    def headers(self) -> Sequence[tuple[str, str]]:
+        """Headers for the judge's HTTP request: ``traceparent`` (and ``tracestate``)."""
+        return _EMPTY
+
+    def endpoint(self, display: str) -> None:
+        """The endpoint the next attempt goes to (its display URL, no user info)."""
+
+    def answer(self, body: Any) -> None:
+        """One decoded judge answer: its model, finish reason and cached tokens."""
+
+    def attempt(self, number: int, reason: str | None, seconds: float) -> None:
+        """Attempt ``number`` (0-based) ended: ``reason`` None for an answer, else the label of
+        its failure (``http_503``, ``transport``, ``timeout``, ``truncated``, ``parse``...)."""
+
+    def backoff(self, number: int, seconds: float) -> None:
+        """Sleeping ``seconds`` before attempt ``number``."""
+
+    def end(self, outcome: str, error_type: str | None, input_tokens: int,
+            output_tokens: int) -> None:
+        """``outcome``: ``verdict``, ``default``, ``failed`` or ``cancelled``."""
+
+
+class JudgeParent:
+    """What a judge call's span is started from: a cohort's span, or a ``/compare`` request's
+    (no-op base)."""
+
+    __slots__ = ()
+
+    def judge_call(self, judge_idx: int) -> JudgeSpan:
+        return NO_JUDGE_SPAN
+
+
+class RequestSpan(JudgeParent):
+    """One HTTP request's SERVER span (no-op base). Owned by the app's request handler."""
+
+    __slots__ = ()
+    recording = False
+
+    def member(self, member: VerifyMember) -> None:
+        """The ``/verify`` member's coordinates."""
+
+    def outcome(self, label: str, masked: bool = False, detail: str | None = None) -> None:
+        """How the request ended: ``rewarded``, ``masked`` or a failure kind (``detail`` is
+        used only for an admission refusal's event, whose text is the server's own)."""
+
+    def end(self, status: int | None) -> None:
+        """The answer's HTTP status (None: the client left unanswered)."""
+
+
+class CohortTrace(JudgeParent):
+    """One cohort's ``genrm.cohort`` span (no-op base). Owned by the registry, ended at the
+    cohort's terminal transition."""
+
+    __slots__ = ()
+
+    def joined(self, request: RequestSpan, slot: int, duplicate: bool) -> None:
+        """A member's request joined (a new member, or another waiter on one)."""
+
+    def collected(self) -> None:
+        """The last member arrived."""
+
+    def evaluation_started(self, comparisons: int) -> None:
+        """The evaluation deadline started; the remaining comparisons are issued."""
+
+    def disposed(self, kind: str, fields: Mapping[str, Any]) -> None:
+        """Completed (``kind`` ``completed``, or ``partial``: judged over the members present)
+        or failed with ``kind``; ``fields`` are the disposition log line's. Ends the span."""
+
+
+class Tracer:
+    """Hands out spans (no-op base: :data:`NO_TRACER`). Owned by ``serve``."""
+
+    __slots__ = ()
+    enabled = False
+
+    def request(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]],
+                rollout_id: str | None) -> RequestSpan:
+        return NO_REQUEST_SPAN
+
+    def cohort(self, key: str, group_id: str | None, attempt: int, size: int) -> CohortTrace:
+        return NO_COHORT_TRACE
+
+    def shutdown_began(self, active_cohorts: int, waiters: int) -> None:
+        """The registry began its shutdown (one event for the process, not one per waiter)."""
+
+    @property
+    def export_failures(self) -> int:
+        """Spans whose export failed (the collector unreachable or refusing them)."""
+        return 0
+
+    def close(self, timeout_s: float) -> None:
+        """Flush and shut down the exporter. Blocks (a thread's work: :func:`close_tracer`)."""
+
+
+NO_JUDGE_SPAN = JudgeSpan()
+NO_REQUEST_SPAN = RequestSpan()
+NO_COHORT_TRACE = CohortTrace()
+NO_TRACER = Tracer()
+
+
+def open_tracer(cfg: Config, *, exporter: SpanExporter | None = None,
+                synchronous: bool = False) -> Tracer:
+    """The tracer ``cfg`` asks for: :data:`NO_TRACER` unless ``tracing.enabled``.
+
+    ``exporter`` (tests) replaces the OTLP exporter; ``synchronous`` exports each span as it
+    ends (tests) instead of from the batch processor's thread. Raises :class:`ConfigError`
+    (key ``tracing.enabled``) when the ``[otel]`` extra is not installed. The caller owns the
+    tracer and closes it (:func:`close_tracer`)."""
+    if not cfg.tracing.enabled:
+        return NO_TRACER
+    check_available(cfg)
+    return _OtelTracer(cfg, exporter, synchronous)
+
+
+def check_available(cfg: Config) -> None:
+    """Raise :class:`ConfigError` if ``tracing.enabled`` is set without the ``[otel]`` extra."""
+    if not cfg.tracing.enabled:
+        return
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "tracing.enabled",
+            f"needs the OpenTelemetry extra ({exc.name or 'opentelemetry'} is missing): "
+            f"{INSTALL_HINT}") from None
+
+
+async def close_tracer(tracer: Tracer, bound_s: float = FLUSH_BOUND_S) -> None:
+    """Flush and shut ``tracer`` down in a worker thread, waiting at most ``bound_s``
+    (shielded: this runs in cleanup). A collector slower than that is abandoned: the export
+    thread is a daemon and ends with the process. Never raises."""
+    if not tracer.enabled:
+        return
+    with trio.move_on_after(bound_s, shield=True) as scope:
+        try:
+            await trio.to_thread.run_sync(tracer.close, bound_s, abandon_on_cancel=True)
+        except Exception:  # the exporter's own failure must not fail the shutdown
+            logger.exception("tracing: closing the exporter failed")
+    if scope.cancelled_caught:
+        logger.warning("tracing: flushing spans took over %g s; the rest are dropped", bound_s)
+
+
+# --------------------------------------------------------------------------- OpenTelemetry
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ID_CHARS else text[:MAX_ID_CHARS]
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53:
+        return value
+    return None
+
+
+def _finish_reason(body: Mapping[str, Any]) -> str | None:
+    """chat: ``choices[0].finish_reason``; responses: ``status`` (``incomplete`` with its
+    reason). Only short labels: a value that is not a short string is dropped."""
+    reason: Any = None
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = choices[0].get("finish_reason")
+    if reason is None:
+        status = body.get("status")
+        details = body.get("incomplete_details")
+        if status == "incomplete" and isinstance(details, dict):
+            reason = details.get("reason") or status
+        else:
+            reason = status
+    return reason if isinstance(reason, str) and len(reason) <= 64 else None
+
+
+def _cached_tokens(body: Mapping[str, Any]) -> int | None:
+    """Prompt tokens served from the judge's cache, where it reports them: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` (or ``input_tokens_details`` for
+    responses), llama.cpp's ``timings.cache_n``."""
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        for name in ("prompt_tokens_details", "input_tokens_details"):
+            details = usage.get(name)
+            if isinstance(details, dict):
+                found = _count(details.get("cached_tokens"))
+                if found is not None:
+                    return found
+    timings = body.get("timings")
+    if isinstance(timings, dict):
+        return _count(timings.get("cache_n"))
+    return None
+
+
+class _OtelJudgeSpan(JudgeSpan):
+    __slots__ = ("_span", "_headers", "_finish", "_cached", "_model", "_endpoint", "_attempts",
+                 "_last_reason")
+    recording = True
+
+    def __init__(self, span: Span, headers: Sequence[tuple[str, str]]) -> None:
+        self._span = span
+        self._headers = headers
+        self._finish: list[str] = []
+        self._cached: int | None = None
+        self._model: str | None = None
+        self._endpoint: str | None = None
+        self._attempts = 0
+        self._last_reason: str | None = None
+
+    def headers(self) -> Sequence[tuple[str, str]]:
+        return self._headers
+
+    def endpoint(self, display: str) -> None:
+        self._endpoint = display
+
+    def answer(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        reason = _finish_reason(body)
+        if reason is not None:
+            self._finish.append(reason)
+        cached = _cached_tokens(body)
+        if cached is not None:
+            self._cached = (self._cached or 0) + cached
+        model = body.get("model")
+        if isinstance(model, str) and model:
+            self._model = _clip(model)
+
+    def attempt(self, number: int, reason: str | None, seconds: float) -> None:
+        self._attempts = number + 1
+        attributes: dict[str, Any] = {
+            "genrm.attempt": number, "genrm.attempt.duration_s": round(seconds, 6),
+            "genrm.attempt.outcome": "answer" if reason is None else reason,
+        }
+        if reason is not None:
+            attributes["error.type"] = reason
+            self._last_reason = reason
+        if self._endpoint is not None:
+            attributes["genrm.judge.endpoint"] = self._endpoint
+        self._span.add_event("genrm.judge.attempt", attributes)
+
+    def backoff(self, number: int, seconds: float) -> None:
+        self._span.add_event("genrm.judge.backoff",
+                             {"genrm.attempt": number, "genrm.backoff_s": round(seconds, 6)})
+
+    def end(self, outcome: str, error_type: str | None, input_tokens: int,
+            output_tokens: int) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span = self._span
+        attributes: dict[str, Any] = {
+            "genrm.judge.outcome": outcome,
+            "genrm.judge.attempts": self._attempts,
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+        }
+        if self._finish:
+            attributes["gen_ai.response.finish_reasons"] = self._finish[-8:]
+        if self._cached is not None:
+            attributes["gen_ai.usage.cache_read.input_tokens"] = self._cached
+        if self._model is not None:
+            attributes["gen_ai.response.model"] = self._model
+        if self._endpoint is not None:
+            attributes["genrm.judge.endpoint"] = self._endpoint
+        if outcome == "failed":
+            error = error_type or self._last_reason or "judge_failed"
+            attributes["error.type"] = error
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.set_attributes(attributes)
+        span.end()
+
+
+class _OtelParent(JudgeParent):
+    """A span judge calls are started from (the cohort's or a ``/compare`` request's)."""
+
+    __slots__ = ("_tracer", "_span")
+
+    def __init__(self, tracer: _OtelTracer, span: Span) -> None:
+        self._tracer = tracer
+        self._span = span
+
+    def judge_call(self, judge_idx: int) -> JudgeSpan:
+        return self._tracer.judge_span(self._span, judge_idx)
+
+
+class _OtelRequestSpan(_OtelParent, RequestSpan):
+    __slots__ = ("_failed",)
+    recording = True
+
+    def __init__(self, tracer: _OtelTracer, span: Span) -> None:
+        super().__init__(tracer, span)
+        self._failed = False
+
+    def member(self, member: VerifyMember) -> None:
+        attributes: dict[str, Any] = {"genrm.group_attempt": member.attempt}
+        if member.group_id is not None:
+            attributes["genrm.group_id"] = _clip(member.group_id)
+        if member.rollout_index is not None:
+            attributes["genrm.rollout_index"] = member.rollout_index
+        self._span.set_attributes(attributes)
+
+    def outcome(self, label: str, masked: bool = False, detail: str | None = None) -> None:
+        span = self._span
+        span.set_attribute("genrm.outcome", label)
+        span.set_attribute("genrm.mask_sample", masked)
+        if label not in ("rewarded", "masked", "disconnected"):
+            span.set_attribute("genrm.failure_kind", label)
+        elif masked:
+            span.set_attribute("genrm.failure_kind", "judge_failed")
+        if label == "overloaded":
+            span.add_event("genrm.admission.refused",
+                           {"genrm.reason": (detail or "overloaded")[:200]})
+        self._failed = masked
+
+    def end(self, status: int | None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span = self._span
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        if status is not None and status >= 500:
+            span.set_status(Status(StatusCode.ERROR, str(status)))
+        elif self._failed:
+            span.set_status(Status(StatusCode.ERROR, "masked: judge_failed"))
+        span.end()
+
+    def link_cohort(self, cohort: Span) -> None:
+        context = cohort.get_span_context()
+        self._span.set_attribute("genrm.cohort.trace_id", f"{context.trace_id:032x}")
+        self._span.add_link(context, {"genrm.link": "cohort"})
+
+
+class _OtelCohortTrace(_OtelParent, CohortTrace):
+    __slots__ = ()
+
+    def joined(self, request: RequestSpan, slot: int, duplicate: bool) -> None:
+        if not isinstance(request, _OtelRequestSpan):
+            return
+        self._span.add_link(request._span.get_span_context(),
+                            {"genrm.rollout_index": slot, "genrm.duplicate": duplicate})
+        request.link_cohort(self._span)
+
+    def collected(self) -> None:
+        self._span.add_event("genrm.cohort.collected")
+
+    def evaluation_started(self, comparisons: int) -> None:
+        self._span.add_event("genrm.cohort.evaluation_started",
+                             {"genrm.comparisons": comparisons})
+
+    def disposed(self, kind: str, fields: Mapping[str, Any]) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span = self._span
+        counts = {f"genrm.{name}": value for name, value in fields.items()
+                  if name in _COHORT_COUNTS and value is not None}
+        span.set_attributes(counts)
+        span.set_attribute("genrm.outcome", kind)
+        if kind in ("completed", "partial"):  # partial: judged over the members present
+            span.add_event("genrm.cohort.published")
+        else:
+            span.set_attribute("genrm.failure_kind", kind)
+            span.add_event("genrm.cohort.failed", {"genrm.failure_kind": kind})
+            span.set_status(Status(StatusCode.ERROR, kind))
+        span.end()
+
+
+#: The disposition line's fields a cohort span carries (as ``genrm.<name>``): counts only.
+_COHORT_COUNTS = frozenset({
+    "members", "size", "collection_s", "evaluation_s", "judge_calls", "judge_results",
+    "defaulted_comparisons", "judge_input_tokens", "judge_output_tokens", "judge_cached_tokens",
+    "scored",
+})
+
+
+class _OtelTracer(Tracer):
+    """The OpenTelemetry tracer: its own ``TracerProvider`` (never the process-global one),
+    a parent-based ratio sampler, a batch processor exporting over OTLP/HTTP."""
+
+    __slots__ = ("_provider", "_tracer", "_propagator", "_empty", "_failures", "_judge_attrs",
+                 "_judge_name", "_filter")
+    enabled = True
+
+    def __init__(self, cfg: Config, exporter: SpanExporter | None, synchronous: bool) -> None:
+        from opentelemetry import context as otel_context
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider, sampling
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        resource = Resource.create({})
+        name = resource.attributes.get("service.name")
+        if not isinstance(name, str) or name.startswith("unknown_service"):
+            # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win; else ours.
+            resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
+        self._provider: TracerProvider = TracerProvider(
+            resource=resource,
+            sampler=sampling.ParentBased(sampling.TraceIdRatioBased(cfg.tracing.sample_ratio)),
+            shutdown_on_exit=False,  # closed by serve within its deadline, not at exit
+        )
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=cfg.tracing.otlp_endpoint)
+        self._failures = _ExportFailures()
+        counting = _counting_exporter(exporter, self._failures)
+        processor = (SimpleSpanProcessor(counting) if synchronous
+                     else BatchSpanProcessor(counting))
+        self._provider.add_span_processor(processor)
+        self._tracer = self._provider.get_tracer("genrm_trio")
+        self._propagator = TraceContextTextMapPropagator()
+        self._empty = otel_context.Context()
+        # The exporter logs every failed export (with retries); ours is one rate-limited line.
+        self._filter = _DropRecords()
+        for name in _EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(self._filter)
+        judge = cfg.judge
+        params = cfg.genrm_responses_create_params
+        model = judge.model or params.get("model")
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "genrm.judge.api": judge.api,
+        }
+        if isinstance(model, str) and model:
+            attrs["gen_ai.request.model"] = _clip(model)
+        for key, attr in (("temperature", "gen_ai.request.temperature"),
+                          ("top_p", "gen_ai.request.top_p"),
+                          ("max_output_tokens", "gen_ai.request.max_tokens"),
+                          ("max_tokens", "gen_ai.request.max_tokens")):
+            value = params.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                attrs[attr] = value
+        self._judge_attrs = attrs
+        self._judge_name = f"chat {attrs['gen_ai.request.model']}" if "gen_ai.request.model" \
+            in attrs else "chat"
+        logger.info("tracing: on, sample ratio %g, OTLP/HTTP to %s",
+                    cfg.tracing.sample_ratio,
+                    cfg.tracing.otlp_endpoint or os.environ.get(
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+                        "OTEL_EXPORTER_OTLP_ENDPOINT") or "the OTEL_* default")
+
+    @property
+    def export_failures(self) -> int:
+        return self._failures.spans
+
+    def request(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]],
+                rollout_id: str | None) -> RequestSpan:
+        from opentelemetry.trace import SpanKind
+
+        if path in UNTRACED_PATHS:
+            return NO_REQUEST_SPAN
+        carrier: dict[str, str] | None = None
+        for name, value in headers:
+            if name == b"traceparent" or name == b"tracestate":
+                if carrier is None:
+                    carrier = {}
+                carrier[name.decode("latin-1")] = value.decode("latin-1")
+        context = (self._empty if carrier is None
+                   else self._propagator.extract(carrier, context=self._empty))
+        attributes: dict[str, Any] = {"http.request.method": method, "http.route": path,
+                                      "url.path": path[:MAX_ID_CHARS]}
+        if rollout_id is not None:
+            attributes["genrm.rollout_id"] = rollout_id
+        span = self._tracer.start_span(f"{method} {path[:64]}", context=context,
+                                       kind=SpanKind.SERVER, attributes=attributes)
+        if not span.is_recording():
+            return NO_REQUEST_SPAN
+        return _OtelRequestSpan(self, span)
+
+    def cohort(self, key: str, group_id: str | None, attempt: int, size: int) -> CohortTrace:
+        attributes: dict[str, Any] = {"genrm.cohort.key": key, "genrm.group_attempt": attempt,
+                                      "genrm.size": size}
+        if group_id is not None:
+            attributes["genrm.group_id"] = _clip(group_id)
+        span = self._tracer.start_span("genrm.cohort", context=self._empty,
+                                       attributes=attributes)
+        if not span.is_recording():
+            return NO_COHORT_TRACE
+        return _OtelCohortTrace(self, span)
+
+    def judge_span(self, parent: Span, judge_idx: int) -> JudgeSpan:
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        context = set_span_in_context(parent, self._empty)
+        span = self._tracer.start_span(self._judge_name, context=context, kind=SpanKind.CLIENT,
+                                       attributes={**self._judge_attrs,
+                                                   "genrm.judge.idx": judge_idx})
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=set_span_in_context(span, self._empty))
+        return _OtelJudgeSpan(span, tuple(carrier.items()))
+
+    def shutdown_began(self, active_cohorts: int, waiters: int) -> None:
+        span = self._tracer.start_span("genrm.shutdown", context=self._empty, attributes={
+            "genrm.active_cohorts": active_cohorts, "genrm.waiters": waiters})
+        span.add_event("genrm.shutdown.began")
+        span.end()
+
+    def close(self, timeout_s: float) -> None:
+        try:
+            self._provider.force_flush(int(timeout_s * 1000))
+            self._provider.shutdown()
+        finally:
+            for name in _EXPORTER_LOGGERS:
+                logging.getLogger(name).removeFilter(self._filter)
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+class _ExportFailures:
+    """Spans of failed exports, counted in the export thread (a lock guards the count) and
+    logged at most once per :data:`EXPORT_NOTE_INTERVAL_S`; read by ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self._lock = threading.Lock()
+        self._note = RateLimitedNote(
+            logger, "tracing: span export failed (collector unreachable or refusing them; "
+            "counted in genrm_trace_export_failures_total)", EXPORT_NOTE_INTERVAL_S,
+            level=logging.WARNING)
+
+    def add(self, spans: int) -> None:
+        with self._lock:
+            self.spans += spans
+            self._note.note({"spans": spans})
+
+
+def _counting_exporter(inner: SpanExporter, failures: _ExportFailures) -> SpanExporter:
+    """``inner``, with the spans of every failed export counted in ``failures``. The class is
+    made here so that the SDK is imported only when tracing is on."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class CountingExporter(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            try:
+                result = inner.export(spans)
+            except Exception:  # an exporter bug must not end the export thread
+                result = SpanExportResult.FAILURE
+            if result is not SpanExportResult.SUCCESS:
+                failures.add(len(spans))
+            return result
+
+        def shutdown(self) -> None:
+            inner.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return inner.force_flush(timeout_millis)
+
+    return CountingExporter()
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "NO_COHORT_TRACE",
+    "NO_JUDGE_SPAN",
+    "NO_REQUEST_SPAN",
+    "NO_TRACER",
+    "CohortTrace",
+    "JudgeParent",
+    "JudgeSpan",
+    "RequestSpan",
+    "Tracer",
+    "check_available",
+    "close_tracer",
+    "open_tracer",
+]
