@@ -40,6 +40,9 @@ MAX_FAILURE_TEXT = 2000
 #: default verdict (no judge answer parsed). ``genrm_``-prefixed so it cannot collide with other
 #: servers' keys in a NeMo Gym row; a plain number, so reward-profile metrics average it.
 DEFAULTED_COMPARISONS_KEY = "genrm_defaulted_comparisons"
+#: The [ext] key of a rewarded ``/verify`` answer counting the cohort's comparisons scored with a
+#: kept verdict instead of a judge call (``verdict_reuse``: the same sample, not a new one).
+REUSED_COMPARISONS_KEY = "genrm_reused_comparisons"
 
 # ---------------------------------------------------------------------------------------------
 # Bounds (README "Bounds"; /openapi.json). Every body is checked before anything is interpreted.
@@ -444,11 +447,12 @@ def identity_fields(member: VerifyMember) -> dict[str, Any]:
     }
 
 
-def success_body(member: VerifyMember, reward: float,
-                 defaulted_comparisons: int | None = 0) -> dict[str, Any]:
+def success_body(member: VerifyMember, reward: float, defaulted_comparisons: int | None = 0,
+                 reused_comparisons: int | None = 0) -> dict[str, Any]:
     """The 200 answer for a rewarded member: its body (identity keys only under ``_ng_`` names)
-    plus the reward, the unmasked markers and :data:`DEFAULTED_COMPARISONS_KEY` (None when
-    unknown: a record reloaded from the journal)."""
+    plus the reward, the unmasked markers, :data:`DEFAULTED_COMPARISONS_KEY` and
+    :data:`REUSED_COMPARISONS_KEY` (each None when unknown: a record reloaded from the
+    journal)."""
     if not math.isfinite(reward):  # guarded by the registry; never publish a non-finite reward
         raise ValueError("non-finite reward")
     out = {k: v for k, v in member.body().items() if k not in IDENTITY_ALIASES}
@@ -458,6 +462,7 @@ def success_body(member: VerifyMember, reward: float,
     out["failure_kind"] = None
     out["failure_reason"] = None
     out[DEFAULTED_COMPARISONS_KEY] = defaulted_comparisons
+    out[REUSED_COMPARISONS_KEY] = reused_comparisons
     return out
 
 

@@ -49,6 +49,7 @@ from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import GroupProgress, JudgeRequest
+from genrm_trio.server.verdicts import VerdictCache
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
@@ -95,10 +96,13 @@ class Failure:
 @dataclass(frozen=True, slots=True)
 class Rewarded:
     """A member's reward. ``defaulted_comparisons``: how many of its cohort's comparisons used
-    the default verdict (None: unknown, a record reloaded from the journal)."""
+    the default verdict; ``reused_comparisons``: how many were scored with a kept verdict
+    instead of a judge call (see server/verdicts.py); both None when unknown (a record
+    reloaded from the journal)."""
 
     reward: float
     defaulted_comparisons: int | None = dataclasses.field(default=0, compare=False)
+    reused_comparisons: int | None = dataclasses.field(default=0, compare=False)
 
 
 Outcome = Rewarded | Failure
@@ -160,7 +164,7 @@ class Cohort:
         "phase", "members", "digests", "rewards", "failure", "size_bytes",
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens", "wakers",
-        "wake",
+        "wake", "reused", "verdict_prefix",
     )
 
     def __init__(
@@ -195,6 +199,9 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
+        self.reused = 0  # comparisons scored with a kept verdict (no judge call)
+        # What this cohort's verdict keys start with; built when its first pair is ready.
+        self.verdict_prefix: bytes | None = None
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -226,17 +233,18 @@ class Cohort:
 class _Record:
     """A terminal record (tombstone): digests and rewards, or the failure. Few objects each."""
 
-    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted")
+    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted", "reused")
 
     def __init__(
         self, expires_at: float, digests: tuple[str, ...], rewards: tuple[float, ...],
-        failure: Failure | None, defaulted: int | None = None,
+        failure: Failure | None, defaulted: int | None = None, reused: int | None = None,
     ) -> None:
         self.expires_at = expires_at
         self.digests = digests
         self.rewards = rewards
         self.failure = failure
         self.defaulted = defaulted  # None: not journaled, unknown after a restart
+        self.reused = reused  # the same
 
 
 class _Watermark:
@@ -259,8 +267,8 @@ class CohortRegistry:
 
     Obtain one with :meth:`open`, which owns the nursery every cohort task runs in. ``judge``
     judges one pair with its retry budget (server/judge). ``journal`` (optional, owned by the
-    caller) mirrors terminal records and watermarks to disk; the registry reloads them here, so
-    replay, failure records and fencing survive a restart.
+    caller) mirrors terminal records, watermarks and kept verdicts to disk; the registry reloads
+    them here, so replay, failure records, fencing and verdict reuse survive a restart.
     """
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
@@ -298,6 +306,8 @@ class CohortRegistry:
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
         self._journal = journal
+        # Kept verdicts (server/verdicts.py); None with verdict_reuse: off.
+        self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
         if journal is not None:
             self._reload(journal)
 
@@ -334,14 +344,18 @@ class CohortRegistry:
                 mark.attempt, mark.prompt_digest, now - (wall - mark.touched_wall),
                 mark.finished)
             self._idle_groups[mark.group_id] = None
+        verdicts = 0
+        if self._verdicts is not None:
+            verdicts = self._verdicts.reload(journal, self._cfg.default_score,
+                                             self._cfg.default_ranking, now)
         if journal.skipped_rows:
             logger.warning(
                 "state journal %s: %d malformed or mismatched rows skipped at reload (a changed "
                 "num_rollouts_per_prompt, or a file this version did not write)",
                 journal.path, journal.skipped_rows)
         self._prune(now)
-        logger.info("state journal %s: %d records, %d watermarks reloaded", journal.path,
-                    len(self._records), len(self._watermarks))
+        logger.info("state journal %s: %d records, %d watermarks, %d verdicts reloaded",
+                    journal.path, len(self._records), len(self._watermarks), verdicts)
 
     # ------------------------------------------------------------------ public API
 
@@ -417,7 +431,8 @@ class CohortRegistry:
 
     def _outcome(self, cohort: Cohort, slot: int) -> Outcome:
         """A released waiter's outcome (counted once per waiter)."""
-        outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot], cohort.defaulted)
+        outcome: Outcome = cohort.failure or Rewarded(cohort.rewards[slot], cohort.defaulted,
+                                                      cohort.reused)
         self.counters[_outcome_label(outcome)] += 1
         return outcome
 
@@ -468,7 +483,20 @@ class CohortRegistry:
             "watch_queue": {"count": len(self._watch_due), "cap": None,
                             "ttl_s": DISCONNECT_WATCH_AFTER_S + _WATCH_SLACK_S},
             "counters": {"count": len(self.counters), "cap": None, "ttl_s": None},
+            "verdicts": {"count": len(self._verdicts or ()),
+                         "cap": cfg.verdict_cache_max_entries if self._verdicts else 0,
+                         "ttl_s": cfg.cohort_result_ttl_s},
         }
+
+    def verdict_status(self) -> dict[str, Any]:
+        """For ``/status``: verdict reuse's mode, the kept verdicts and their cap and TTL, and
+        how many comparisons were reused and judged so far."""
+        cache = self._verdicts
+        status = cache.status() if cache is not None else {
+            "mode": "off", "entries": 0, "cap": 0, "ttl_s": None}
+        status["reused_comparisons"] = self.counters["comparisons_reused"]
+        status["judged_comparisons"] = self.counters["comparisons_judged"]
+        return status
 
     # ------------------------------------------------------------------ admission
 
@@ -519,7 +547,7 @@ class CohortRegistry:
                 return record.failure
             if record.digests[slot] != digest:
                 return _conflict(key, slot, "the completed cohort")
-            return Rewarded(record.rewards[slot], record.defaulted)
+            return Rewarded(record.rewards[slot], record.defaulted, record.reused)
 
         cohort = self._active.get(key)
         if cohort is not None:
@@ -716,12 +744,16 @@ class CohortRegistry:
             ))
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
+        """Start a judge task for every pair whose members are both present and that has no
+        verdict yet; a pair with a kept verdict (verdict reuse) takes it at once instead."""
         members = cohort.members
+        results = cohort.results
+        cache = self._verdicts
+        now = trio.current_time()
         for index, (i, j, judge_idx) in enumerate(cohort.pairs):
-            if index in cohort.started_pairs or i not in members or j not in members:
+            if (index in cohort.started_pairs or index in results or i not in members
+                    or j not in members):
                 continue
-            cohort.started_pairs.add(index)
-            self.counters["comparisons_started"] += 1
             # Built now: the task may first run after the cohort failed and dropped its members.
             request = JudgeRequest(
                 history=cohort.history,
@@ -730,9 +762,30 @@ class CohortRegistry:
                 principle=cohort.principle,
                 judge_idx=judge_idx,
             )
-            nursery.start_soon(self._judge_one, cohort, index, request)
+            key = None
+            if cache is not None:
+                if cohort.verdict_prefix is None:
+                    cohort.verdict_prefix = cache.prefix(cohort.key, cohort.principle,
+                                                         cohort.history)
+                key = identity.verdict_key(cohort.verdict_prefix, judge_idx,
+                                           request.response_1, request.response_2)
+                kept = cache.get(key, now)
+                if kept is not None:
+                    results[index] = kept
+                    cohort.reused += 1
+                    self.counters["comparisons_reused"] += 1
+                    continue
+            cohort.started_pairs.add(index)
+            self.counters["comparisons_started"] += 1
+            nursery.start_soon(self._judge_one, cohort, index, request, key)
+        if len(results) == len(cohort.pairs):  # every verdict was kept: nothing to wait for
+            cohort.pairs_done.set()
 
-    async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest) -> None:
+    async def _judge_one(self, cohort: Cohort, index: int, request: JudgeRequest,
+                         key: bytes | None = None) -> None:
+        """Judge one pair for ``cohort``; with ``key`` (verdict reuse on), keep a parsed
+        verdict under it at once, whatever becomes of the cohort: a replacement attempt after
+        a sibling's failure then re-judges only what is missing."""
         try:
             verdict = await self._judge.judge_pair(request, cohort)
         except JudgeFailed as exc:
@@ -747,6 +800,9 @@ class CohortRegistry:
             return
         cohort.input_tokens += verdict.input_tokens
         cohort.output_tokens += verdict.output_tokens
+        self.counters["comparisons_judged"] += 1
+        if key is not None and self._verdicts is not None:
+            self._verdicts.put(key, verdict, trio.current_time())
         if cohort.phase in ACTIVE_PHASES:
             cohort.results[index] = verdict
             if len(cohort.results) == len(cohort.pairs):
@@ -809,17 +865,21 @@ class CohortRegistry:
         collection_s = (now if evaluating_at is None else evaluating_at) - cohort.opened_at
         evaluation_s = None if evaluating_at is None else now - evaluating_at
         key = identity.describe(cohort.key)  # bounded, control characters escaped
+        judged = len(cohort.results) - cohort.reused
         logger.info(
-            "%s %s after %.3f s: %s; judge tokens %d in, %d out", key,
+            "%s %s after %.3f s: %s; comparisons %d judged, %d reused; judge tokens %d in, "
+            "%d out", key,
             "completed" if kind == "completed" else f"failed ({kind})",
-            now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
+            now - cohort.opened_at, detail, judged, cohort.reused, cohort.input_tokens,
+            cohort.output_tokens,
             extra={
                 "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
                 "members": len(cohort.members), "size": cohort.size,
                 "total_s": round(now - cohort.opened_at, 6),
                 "collection_s": round(collection_s, 6),
                 "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
-                "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
+                "judge_calls": len(cohort.started_pairs), "judge_results": judged,
+                "reused_comparisons": cohort.reused,
                 "defaulted_comparisons": cohort.defaulted,
                 "judge_input_tokens": cohort.input_tokens,
                 "judge_output_tokens": cohort.output_tokens,
@@ -837,6 +897,7 @@ class CohortRegistry:
         self._active_bytes -= cohort.size_bytes
         cohort.members = {}
         cohort.results = {}
+        cohort.verdict_prefix = None
         failure = cohort.failure
         keep = (failure is not None and failure.kind != "shutdown") or (
             failure is None and key.group_id is not None
@@ -850,7 +911,7 @@ class CohortRegistry:
                 )
             expires_at = math.inf if ttl is None else now + ttl
             self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure,
-                                         cohort.defaulted)
+                                         cohort.defaulted, cohort.reused)
             self._records.move_to_end(key)
         if key.group_id is not None:
             group_id = key.group_id
@@ -903,6 +964,8 @@ class CohortRegistry:
                 self._journal.delete_records(evicted)
             if dropped:
                 self._journal.delete_watermarks(dropped)
+        if self._verdicts is not None:
+            self._verdicts.prune(now)
 
     # ------------------------------------------------------------------ failure texts
 
