@@ -876,6 +876,9 @@ def _layered_config(
     for key, raw, source in layered:
         _set_dotted(tree, key, _parse_value(raw), source)
         sources[key] = source
+    if tree.get("verdict_reuse") is False:
+        # YAML 1.1 reads a bare `off` as false: `verdict_reuse: off` means what it says.
+        tree["verdict_reuse"] = "off"
     params = tree.get("genrm_responses_create_params")
     if isinstance(params, dict) and "input" in params:
         tree["genrm_responses_create_params"] = {k: v for k, v in params.items() if k != "input"}

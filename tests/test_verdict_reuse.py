@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from genrm_trio.server.cohort import Failure, Rewarded
 from genrm_trio.server.journal import FILE_NAME, Journal
 from genrm_trio.server.judge import JudgeRequest, JudgeStats, open_judge
 from genrm_trio.server.prometheus import ServerMetrics
+from genrm_trio.server.verdicts import VerdictCache
 from tests.lifecycle_helpers import (
     PROMPT,
     Outcomes,
@@ -441,3 +445,72 @@ async def test_deterministic_judge_rewards_with_reuse_equal_without(
             rewards[reuse] = rewards_of(await run_cohort(registry, cfg, TEXTS, attempt=1))
     assert rewards["off"] == rewards["group"] == rewards["global"] == reference_rewards(
         cfg_for(), TEXTS, PROMPT)
+
+
+# ------------------------------------------------------------------ the key and the cache alone
+
+
+def test_the_key_is_the_same_in_another_process() -> None:
+    code = ("from genrm_trio import identity; from genrm_trio.config import Config; "
+            "fp = identity.judge_fingerprint(Config(), None); "
+            "p = identity.verdict_prefix(['group', 'g'], fp, None, [{'role': 'user', "
+            "'content': 'q\\ud800'}]); print(identity.verdict_key(p, 0, 'a', 'b').hex())")
+    keys = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        keys.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                capture_output=True, text=True).stdout.strip())
+    fp = identity.judge_fingerprint(Config(), None)
+    here = identity.verdict_key(identity.verdict_prefix(
+        ["group", "g"], fp, None, [{"role": "user", "content": "q\ud800"}]), 0, "a", "b")
+    assert keys == {here.hex()}
+
+
+def test_every_part_of_the_key_matters() -> None:
+    fp = identity.judge_fingerprint(Config(), None)
+    history = [{"role": "user", "content": "q"}]
+    base = identity.verdict_key(identity.verdict_prefix(None, fp, None, history), 0, "a", "b")
+    variants = [
+        identity.verdict_key(identity.verdict_prefix(["group", "g"], fp, None, history), 0,
+                             "a", "b"),
+        identity.verdict_key(identity.verdict_prefix(None, fp + b" ", None, history), 0, "a",
+                             "b"),
+        identity.verdict_key(identity.verdict_prefix(None, fp, "be terse", history), 0, "a",
+                             "b"),
+        identity.verdict_key(identity.verdict_prefix(None, fp, None, [*history, *history]), 0,
+                             "a", "b"),
+        identity.verdict_key(identity.verdict_prefix(None, fp, None, history), 1, "a", "b"),
+        identity.verdict_key(identity.verdict_prefix(None, fp, None, history), 0, "ab", ""),
+        identity.verdict_key(identity.verdict_prefix(None, fp, None, history), 0, "b", "a"),
+    ]
+    assert len({base, *variants}) == 1 + len(variants)
+    fingerprints = {
+        identity.judge_fingerprint(Config(**kw), None) for kw in (
+            {}, {"judge": JudgeConfig(base_urls=("http://a.test",))},
+            {"judge": JudgeConfig(base_urls=("http://a.test",), model="m")},
+            {"judge": JudgeConfig(base_urls=("http://a.test",), api="chat")},
+            {"judge": JudgeConfig(base_urls=("http://a.test",), structured_output="json_schema")},
+            {"judge": JudgeConfig(base_urls=("http://a.test",), seed="content")},
+            {"judge": JudgeConfig(base_urls=("http://a.test",), prompt="plain")},
+            {"genrm_responses_create_params": {"temperature": 0.0}},
+            {"default_score": 2.0},
+        )
+    }
+    assert len(fingerprints) == 9
+    # Endpoints of one model are one judge: routing never changes a key.
+    assert identity.judge_fingerprint(Config(judge=JudgeConfig(
+        base_urls=("http://a.test", "http://b.test"), model="m")), None) == \
+        identity.judge_fingerprint(Config(judge=JudgeConfig(
+            base_urls=("http://b.test",), model="m")), None)
+
+
+async def test_an_expired_entry_is_a_miss_before_any_prune(autojump_clock: trio.abc.Clock,
+                                                           ) -> None:
+    cache = VerdictCache(cfg_for(cohort_result_ttl_s=10.0))
+    key = b"k" * 32
+    assert cache.put(key, scoring.Verdict(4.0, 2.0, 2.0, input_tokens=9), now=0.0)
+    assert not cache.put(key, scoring.Verdict(1.0, 1.0, 1.0), now=1.0)  # the first stands
+    assert cache.get(key, now=9.9) == scoring.Verdict(4.0, 2.0, 2.0)  # tokens are not kept
+    assert cache.get(key, now=10.0) is None
+    assert not cache.put(b"d" * 32, scoring.Verdict(3.0, 3.0, 3.5, defaulted=True), now=0.0)
+    assert len(cache) == 1
