@@ -35,6 +35,15 @@ from genrm_trio.scoring import Verdict
 from genrm_trio.server.journal import Journal
 
 
+#: Integral verdict values (most judges give whole scores): one shared float object each, so a
+#: kept entry holds no float of its own for them (memory: README, "Verdict reuse").
+_WHOLE = tuple(float(i) for i in range(7))
+
+
+def _shared(value: float) -> float:
+    return _WHOLE[int(value)] if value.is_integer() and 0.0 <= value <= 6.0 else value
+
+
 def _template(cfg: Config) -> judge_prompt.PlainPrompt | None:
     if cfg.judge.prompt != "plain":
         return None
@@ -55,8 +64,9 @@ class VerdictCache:
         self.cap = cfg.verdict_cache_max_entries
         self.ttl_s = cfg.cohort_result_ttl_s
         self.fingerprint = identity.judge_fingerprint(cfg, _template(cfg))
-        # key -> (expires_at on trio's clock, verdict), oldest first.
-        self._entries: OrderedDict[bytes, tuple[float, Verdict]] = OrderedDict()
+        # key -> (expires_at on trio's clock, score_1, score_2, ranking), oldest first: one
+        # tuple per entry, the Verdict is built on a hit.
+        self._entries: OrderedDict[bytes, tuple[float, float, float, float]] = OrderedDict()
         self._journal = journal
 
     def __len__(self) -> int:
@@ -72,7 +82,7 @@ class VerdictCache:
         entry = self._entries.get(key)
         if entry is None or entry[0] <= now:
             return None
-        return entry[1]
+        return Verdict(entry[1], entry[2], entry[3])
 
     def put(self, key: bytes, verdict: Verdict, now: float) -> bool:
         """Keep ``verdict`` (a parsed one: a defaulted verdict is refused) unless ``key`` is
@@ -85,8 +95,8 @@ class VerdictCache:
         if self._journal is not None:
             self._journal.put_verdict(key, None if ttl is None else time.time() + ttl,
                                       verdict.score_1, verdict.score_2, verdict.ranking)
-        kept = Verdict(verdict.score_1, verdict.score_2, verdict.ranking)  # no token counts
-        self._entries[key] = (math.inf if ttl is None else now + ttl, kept)
+        self._keep(key, math.inf if ttl is None else now + ttl, verdict.score_1,
+                   verdict.score_2, verdict.ranking)
         self.prune(now)
         return True
 
@@ -95,7 +105,7 @@ class VerdictCache:
         entries = self._entries
         evicted: list[bytes] = []
         while entries:
-            key, (expires_at, _) = next(iter(entries.items()))
+            key, (expires_at, *_) = next(iter(entries.items()))
             if len(entries) > self.cap or expires_at <= now:
                 del entries[key]
                 evicted.append(key)
@@ -112,10 +122,13 @@ class VerdictCache:
         for stored in journal.verdicts(default_score, default_ranking):
             expires_at = (math.inf if stored.expires_wall is None
                           else now + (stored.expires_wall - wall))
-            self._entries[stored.key] = (
-                expires_at, Verdict(stored.score_1, stored.score_2, stored.ranking))
+            self._keep(stored.key, expires_at, stored.score_1, stored.score_2, stored.ranking)
         self.prune(now)
         return len(self._entries)
+
+    def _keep(self, key: bytes, expires_at: float, score_1: float, score_2: float,
+              ranking: float) -> None:
+        self._entries[key] = (expires_at, _shared(score_1), _shared(score_2), _shared(ranking))
 
     def status(self) -> dict[str, Any]:
         """For ``/status``: the mode, how many verdicts are kept, the cap and the TTL."""
