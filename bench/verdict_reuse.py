@@ -13,10 +13,11 @@ fresh server:
    serving ``--judge-slots`` calls at once (``judge.max_concurrency_per_endpoint``; the rest wait
    here, in ``--order``); once it has received ``--outage-after`` of their comparisons it
    answers 503 to everything (``--flaky P`` instead: each call of attempt 0 gets a 503 with
-   probability P; ``genrm_parse_retries: 0``): every group still judging is masked (``judge_failed``). The
-   judge recovers and the caller resends each masked group as attempt 1, unchanged. Reported:
-   groups masked, judge calls of the replacement attempts, the fewest possible (the masked
-   groups' comparisons whose verdict never came back), the replacements' wall time.
+   probability P; ``genrm_parse_retries: 0``): every group still judging is masked
+   (``judge_failed``). The judge recovers and the caller resends each masked group as attempt
+   1, unchanged. Reported: groups masked, judge calls of the replacement attempts, the fewest
+   possible (the masked groups' comparisons whose verdict never came back), the replacements'
+   wall time.
 2. **Changed answers.** With the judge healthy, ``--groups`` fresh groups complete, then each
    is resent as attempt 1 with ``k`` of its answers regenerated (k = 0, 1, 2): judge calls of
    attempt 1 against the comparisons that touch a changed answer.
@@ -73,8 +74,7 @@ async def send_group(client: httpx2.AsyncClient, group: str, attempt: int,
 
 
 async def scenario(reuse: str, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
-    n, groups = args.n, args.groups
-    pairs = len(scoring.comparison_pairs(n, strategy, 1))
+    pairs = len(scoring.comparison_pairs(args.n, strategy, 1))
     judge = MockJudgeState()
     result: dict[str, Any] = {"reuse": reuse, "strategy": strategy, "pairs": pairs}
     async with trio.open_nursery() as nursery:
@@ -82,7 +82,7 @@ async def scenario(reuse: str, strategy: str, args: argparse.Namespace) -> dict[
             latency_s=args.latency_ms / 1000, latency_jitter_s=args.jitter_ms / 1000,
             seed=args.seed), state=judge))
         cfg = Config(
-            port=0, num_rollouts_per_prompt=n, comparison_strategy=strategy,
+            port=0, num_rollouts_per_prompt=args.n, comparison_strategy=strategy,
             verdict_reuse=reuse, genrm_parse_retries=0, log_level="ERROR",
             cohort_collection_timeout_s=600.0, cohort_evaluation_timeout_s=600.0,
             judge_order=args.order,
@@ -102,9 +102,9 @@ async def scenario(reuse: str, strategy: str, args: argparse.Namespace) -> dict[
 
 async def run_phases(url: str, judge: MockJudgeState, strategy: str, args: argparse.Namespace,
                      pairs: int, result: dict[str, Any]) -> None:
-    n, groups, reuse = args.n, args.groups, result["reuse"]
-    if True:
-        async with httpx2.AsyncClient(base_url=url, timeout=600.0) as client:
+    n, groups = args.n, args.groups
+    async with httpx2.AsyncClient(base_url=url, timeout=600.0) as client:
+        if True:
             # 1. outage during attempt 0, then the masked groups resent unchanged
             names = [f"{strategy}-outage-{g}" for g in range(groups)]
             texts = {g: [answer(g, s) for s in range(n)] for g in names}
@@ -156,10 +156,11 @@ async def run_phases(url: str, judge: MockJudgeState, strategy: str, args: argpa
                 before = judge.calls
                 changed_rewards: dict[str, list[float]] = {}
 
-                async def changed(group: str, k: int = k) -> None:
+                async def changed(group: str, k: int = k,
+                                  into: dict[str, list[float]] = changed_rewards) -> None:
                     new = [answer(group, s, 1 if s < k else 0) for s in range(n)]
                     out = await send_group(client, group, 1, new)
-                    changed_rewards[group] = [a["reward"] for a in out]
+                    into[group] = [a["reward"] for a in out]
 
                 async with trio.open_nursery() as senders:
                     for g in names:

@@ -34,7 +34,6 @@ from genrm_trio.config import Config, read_prompt_template
 from genrm_trio.scoring import Verdict
 from genrm_trio.server.journal import Journal
 
-
 #: Integral verdict values (most judges give whole scores): one shared float object each, so a
 #: kept entry holds no float of its own for them (memory: README, "Verdict reuse").
 _WHOLE = tuple(float(i) for i in range(7))
