@@ -395,6 +395,7 @@ async def test_answer_metrics_status_and_disposition_line_count_both(
     async with open_registry(cfg, judge) as registry:
         metrics.read_from(registry, judge)  # type: ignore[arg-type]
         await run_cohort(registry, cfg, TEXTS)
+        caplog.clear()  # only the replacement's line
         with caplog.at_level(logging.INFO, logger="genrm_trio.server.cohort"):
             second = await run_cohort(registry, cfg, [*TEXTS[:3], "new answer"], attempt=1)
         status = registry.verdict_status()
@@ -514,3 +515,23 @@ async def test_an_expired_entry_is_a_miss_before_any_prune(autojump_clock: trio.
     assert cache.get(key, now=10.0) is None
     assert not cache.put(b"d" * 32, scoring.Verdict(3.0, 3.0, 3.5, defaulted=True), now=0.0)
     assert len(cache) == 1
+
+
+async def test_eager_reuses_each_pair_once_as_members_arrive(autojump_clock: trio.abc.Clock,
+                                                             ) -> None:
+    cfg = cfg_for(judge_schedule="eager")
+    judge = NoisyJudge()
+    async with open_registry(cfg, judge) as registry:
+        first = rewards_of(await run_cohort(registry, cfg, TEXTS))
+        async with trio.open_nursery() as nursery:
+            out = Outcomes(registry, nursery)
+            for slot in range(N):
+                out.send(f"m{slot}", member(cfg, slot, text=TEXTS[slot], attempt=1))
+                out.send(f"dup{slot}", member(cfg, slot, text=TEXTS[slot], attempt=1))
+                await trio.sleep(1.0)
+    second = [out.results[f"m{s}"][1] for s in range(N)]
+    assert judge.calls == N
+    assert rewards_of(second) == first
+    assert [o.reused_comparisons for o in second if isinstance(o, Rewarded)] == [N] * N
+    assert registry.counters["comparisons_reused"] == N
+    assert out.results["m0"][0] == out.results[f"m{N - 1}"][0]  # published at the last arrival

@@ -199,7 +199,8 @@ class Cohort:
         self.defaulted = 0  # comparisons that used the default verdict
         self.input_tokens = 0  # judge tokens of the finished comparisons
         self.output_tokens = 0
-        self.reused = 0  # comparisons scored with a kept verdict (no judge call)
+        # Comparisons scored with a kept verdict (no judge call; in started_pairs and results).
+        self.reused = 0
         # What this cohort's verdict keys start with; built when its first pair is ready.
         self.verdict_prefix: bytes | None = None
 
@@ -751,8 +752,7 @@ class CohortRegistry:
         cache = self._verdicts
         now = trio.current_time()
         for index, (i, j, judge_idx) in enumerate(cohort.pairs):
-            if (index in cohort.started_pairs or index in results or i not in members
-                    or j not in members):
+            if index in cohort.started_pairs or i not in members or j not in members:
                 continue
             # Built now: the task may first run after the cohort failed and dropped its members.
             request = JudgeRequest(
@@ -771,6 +771,7 @@ class CohortRegistry:
                                            request.response_1, request.response_2)
                 kept = cache.get(key, now)
                 if kept is not None:
+                    cohort.started_pairs.add(index)  # started and done: no judge call
                     results[index] = kept
                     cohort.reused += 1
                     self.counters["comparisons_reused"] += 1
@@ -848,8 +849,8 @@ class CohortRegistry:
         if not self._transition(cohort, Phase.FAILED):
             return False
         cohort.failure = failure
-        # Comparisons already started (finished or still in flight) are lost with the cohort.
-        self.counters["comparisons_wasted"] += len(cohort.started_pairs)
+        # Judge calls already started (finished or still in flight) are lost with the cohort.
+        self.counters["comparisons_wasted"] += len(cohort.started_pairs) - cohort.reused
         self._disposed(cohort, failure.kind, bound_text(failure.detail, 300))
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
@@ -878,7 +879,8 @@ class CohortRegistry:
                 "total_s": round(now - cohort.opened_at, 6),
                 "collection_s": round(collection_s, 6),
                 "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
-                "judge_calls": len(cohort.started_pairs), "judge_results": judged,
+                "judge_calls": len(cohort.started_pairs) - cohort.reused,
+                "judge_results": judged,
                 "reused_comparisons": cohort.reused,
                 "defaulted_comparisons": cohort.defaulted,
                 "judge_input_tokens": cohort.input_tokens,
