@@ -83,6 +83,8 @@ NEMO_IGNORED_KEYS: frozenset[str] = frozenset(
 """Keys of a NeMo Gym server block that only matter inside NeMo Gym: accepted, ignored."""
 
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Hard ceiling of ``verdict_cache_max_entries`` (2**24; an entry holds about 300 bytes).
+MAX_VERDICT_CACHE_ENTRIES = 16_777_216
 #: Hard ceiling of ``max_compare_responses``: all_pairs over 4096 responses is 8.4 M judge calls.
 MAX_COMPARE_RESPONSES = 4096
 
@@ -223,6 +225,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     state_sync: Literal["normal", "full"] = "normal"
     request_read_timeout_s: float = 60.0
     max_compare_responses: int = 128
+    verdict_reuse: Literal["group", "global", "off"] = "group"
+    verdict_cache_max_entries: int = 65536
     malloc_trim_interval_s: float | None = 30.0
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = "auto"
@@ -572,6 +576,9 @@ def _validate_config(cfg: Config) -> None:
     _number("request_read_timeout_s", cfg.request_read_timeout_s, gt=0)
     _number("max_compare_responses", cfg.max_compare_responses, ge=2, le=MAX_COMPARE_RESPONSES,
             integer=True)
+    _choice("verdict_reuse", cfg.verdict_reuse, ("group", "global", "off"))
+    _number("verdict_cache_max_entries", cfg.verdict_cache_max_entries, ge=1,
+            le=MAX_VERDICT_CACHE_ENTRIES, integer=True)
     _number("malloc_trim_interval_s", cfg.malloc_trim_interval_s, gt=0, nullable=True)
     level = cfg.log_level.upper() if isinstance(cfg.log_level, str) else cfg.log_level
     if level not in LOG_LEVELS:
@@ -954,6 +961,9 @@ def _layered_config(
     for key, raw, source in layered:
         _set_dotted(tree, key, _parse_value(raw), source)
         sources[key] = source
+    if tree.get("verdict_reuse") is False:
+        # YAML 1.1 reads a bare `off` as false: `verdict_reuse: off` means what it says.
+        tree["verdict_reuse"] = "off"
     params = tree.get("genrm_responses_create_params")
     if isinstance(params, dict) and "input" in params:
         tree["genrm_responses_create_params"] = {k: v for k, v in params.items() if k != "input"}

@@ -45,6 +45,9 @@ DEFAULTED_COMPARISONS_KEY = "genrm_defaulted_comparisons"
 #: judge_present``). On every rewarded answer, full cohorts too (M = N).
 COHORT_EXPECTED_KEY = "genrm_cohort_expected"
 COHORT_SCORED_KEY = "genrm_cohort_scored"
+#: The [ext] key of a rewarded ``/verify`` answer counting the cohort's comparisons scored with a
+#: kept verdict instead of a judge call (``verdict_reuse``: the same sample, not a new one).
+REUSED_COMPARISONS_KEY = "genrm_reused_comparisons"
 
 # ---------------------------------------------------------------------------------------------
 # Bounds (README "Bounds"; /openapi.json). Every body is checked before anything is interpreted.
@@ -451,11 +454,12 @@ def identity_fields(member: VerifyMember) -> dict[str, Any]:
 
 def success_body(member: VerifyMember, reward: float, defaulted_comparisons: int | None = 0,
                  cohort_expected: int | None = 1, cohort_scored: int | None = 1,
-                 ) -> dict[str, Any]:
+                 reused_comparisons: int | None = 0) -> dict[str, Any]:
     """The 200 answer for a rewarded member: its body (identity keys only under ``_ng_`` names)
-    plus the reward, the unmasked markers, :data:`DEFAULTED_COMPARISONS_KEY` (None when
-    unknown: a record reloaded from the journal), :data:`COHORT_EXPECTED_KEY` and
-    :data:`COHORT_SCORED_KEY` (1 and 1 without cohorts, N <= 1)."""
+    plus the reward, the unmasked markers, :data:`DEFAULTED_COMPARISONS_KEY` and
+    :data:`REUSED_COMPARISONS_KEY` (each None when unknown: a record reloaded from the
+    journal), :data:`COHORT_EXPECTED_KEY` and :data:`COHORT_SCORED_KEY` (1 and 1 without
+    cohorts, N <= 1)."""
     if not math.isfinite(reward):  # guarded by the registry; never publish a non-finite reward
         raise ValueError("non-finite reward")
     out = {k: v for k, v in member.body().items() if k not in IDENTITY_ALIASES}
@@ -467,6 +471,7 @@ def success_body(member: VerifyMember, reward: float, defaulted_comparisons: int
     out[DEFAULTED_COMPARISONS_KEY] = defaulted_comparisons
     out[COHORT_EXPECTED_KEY] = cohort_expected
     out[COHORT_SCORED_KEY] = cohort_scored
+    out[REUSED_COMPARISONS_KEY] = reused_comparisons
     return out
 
 

@@ -395,6 +395,8 @@ INVALID: list[tuple[str, Any]] = [
     ("judge.api_key_env", "''"),
     ("judge.api_key_env", "OPENAI_API_KEY=sk-123"),
     ("judge.base_urls", "http://single-string-not-a-list"),
+    *[("verdict_reuse", v) for v in ("always", "", True, None)],
+    *[("verdict_cache_max_entries", v) for v in (0, -1, 16_777_217, 1.5, None, "many")],
 ]
 
 
@@ -478,6 +480,10 @@ def test_base_urls_are_normalised(url: str, normalised: str) -> None:
         ("judge.max_connections_per_client", 1),
         ("judge.max_connections_per_client", 16),
         ("reasoning_bonus", -0.5),
+        ("verdict_reuse", "off"),
+        ("verdict_reuse", "global"),
+        ("verdict_cache_max_entries", 1),
+        ("verdict_cache_max_entries", 16_777_216),
     ],
 )
 def test_boundary_values_are_accepted(key: str, value: Any) -> None:
@@ -486,6 +492,12 @@ def test_boundary_values_are_accepted(key: str, value: Any) -> None:
     for part in key.split("."):
         node = getattr(node, part)
     assert node == value
+
+
+def test_verdict_reuse_off_reads_as_off_though_yaml_says_false(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "verdict_reuse: off\n"), env={}).verdict_reuse == "off"
+    assert load_config(overrides=["verdict_reuse=off"], env={}).verdict_reuse == "off"
+    assert load_config(env={"GENRM_TRIO_VERDICT_REUSE": "off"}).verdict_reuse == "off"
 
 
 def test_ints_are_accepted_for_float_keys() -> None:

@@ -160,11 +160,12 @@ async def test_rewards_equal_wait_for_all_and_arrive_sooner_with_a_busy_judge(
     assert finished["eager"] == 20.0 + 1.0 * with_last
 
 
+@pytest.mark.parametrize("reuse", ["off", "group"])
 @pytest.mark.parametrize("latency_s", [None, 1.0], ids=["in-flight", "finished"])
 async def test_supersession_during_early_judging_cancels_and_publishes_nothing(
-    autojump_clock: trio.abc.Clock, latency_s: float | None,
+    autojump_clock: trio.abc.Clock, latency_s: float | None, reuse: str,
 ) -> None:
-    cfg = cfg_for(3)
+    cfg = cfg_for(3, verdict_reuse=reuse)
     judge = TimedJudge(latency_s)
     async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
         out = Outcomes(registry, nursery)
@@ -186,10 +187,14 @@ async def test_supersession_during_early_judging_cancels_and_publishes_nothing(
         judge.latency_s = 1.0
         for slot in (1, 2):
             out.send(f"b{slot}", member(cfg, slot, attempt=1))
-    # Attempt 1 is judged afresh: its own three comparisons, none reused from attempt 0.
-    assert len(judge.calls) == 1 + 3
+    # Attempt 1 is judged afresh: its own three comparisons, none from attempt 0, except with
+    # verdict reuse the one attempt 0 finished before it was superseded (a cancelled call left
+    # no verdict to keep).
+    reused = 1 if reuse == "group" and latency_s is not None else 0
+    assert len(judge.calls) == 1 + 3 - reused
     assert all(isinstance(out.results[f"b{s}"][1], Rewarded) for s in range(3))
-    assert registry.counters["comparisons_started"] == 4
+    assert registry.counters["comparisons_started"] == 4 - reused
+    assert registry.counters["comparisons_reused"] == reused
     assert registry.counters["comparisons_wasted"] == 1
 
 

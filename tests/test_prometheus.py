@@ -181,6 +181,9 @@ def test_counters_past_a_million_keep_full_precision() -> None:
             return {k: 0 for k in ("collecting", "evaluating", "waiters", "retained_records",
                                    "watermarks", "active_bytes")}
 
+        def verdict_status(self) -> dict[str, Any]:
+            return {"mode": "off", "entries": 0, "cap": 0, "ttl_s": None}
+
     class Judge:
         stats = JudgeStats()
 

@@ -192,7 +192,13 @@ class _LateEagerBug(CohortRegistry):
 
 
 class _RepeatedPairBug(CohortRegistry):
-    """Forgets which comparisons it started, so a duplicate arrival starts them again."""
+    """Forgets which comparisons it started, so a duplicate arrival starts them again. Without
+    verdict reuse: with it, a finished pair started again takes its kept verdict, no judge
+    call, so the harness (which watches judge calls) has nothing to see."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._verdicts = None
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
         cohort.started_pairs.clear()

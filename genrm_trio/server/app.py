@@ -193,6 +193,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
             "shutting_down": registry.shutting_down,
             "cohorts": registry.snapshot(),
             "journal": registry.journal.status() if registry.journal is not None else None,
+            "verdict_reuse": registry.verdict_status(),
             "judge": judge_status,
             "memory": {**process_memory.status(), "structures": {
                 **registry.retention(), **_judge_structures(cfg, judge_status),
@@ -250,8 +251,9 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, byt
     encode = wire.JSON_ENCODER.encode
     if isinstance(outcome, Rewarded):
         return 200, encode(wire.success_body(
-            member, outcome.reward, outcome.defaulted_comparisons, outcome.cohort_expected,
-            outcome.cohort_scored)), []
+            member, outcome.reward, outcome.defaulted_comparisons,
+            cohort_expected=outcome.cohort_expected, cohort_scored=outcome.cohort_scored,
+            reused_comparisons=outcome.reused_comparisons)), []
     if outcome.masked:
         return 200, encode(wire.masked_body(member, outcome.detail)), []
     headers = []

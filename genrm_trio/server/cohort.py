@@ -59,6 +59,7 @@ from genrm_trio.server.tracing import (
     RequestSpan,
     Tracer,
 )
+from genrm_trio.server.verdicts import VerdictCache
 from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_response
 
 logger = logging.getLogger(__name__)
@@ -105,14 +106,17 @@ class Failure:
 @dataclass(frozen=True, slots=True)
 class Rewarded:
     """A member's reward. ``defaulted_comparisons``: how many of its cohort's comparisons used
-    the default verdict (None: unknown, a record reloaded from the journal).
-    ``cohort_expected`` / ``cohort_scored``: the cohort's size N and how many of its members
-    were judged (M < N for a partial cohort, ``incomplete_cohort_policy: judge_present``)."""
+    the default verdict; ``reused_comparisons``: how many were scored with a kept verdict
+    instead of a judge call (see server/verdicts.py); both None when unknown (a record
+    reloaded from the journal). ``cohort_expected`` / ``cohort_scored``: the cohort's size N
+    and how many of its members were judged (M < N for a partial cohort,
+    ``incomplete_cohort_policy: judge_present``)."""
 
     reward: float
     defaulted_comparisons: int | None = dataclasses.field(default=0, compare=False)
     cohort_expected: int | None = dataclasses.field(default=None, compare=False)
     cohort_scored: int | None = dataclasses.field(default=None, compare=False)
+    reused_comparisons: int | None = dataclasses.field(default=0, compare=False)
 
 
 Outcome = Rewarded | Failure
@@ -179,7 +183,7 @@ class Cohort:
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
         "cached_tokens", "wakers", "wake", "scored", "pair_scopes", "dropped_pairs",
-        "judge_affinity", "trace",
+        "judge_affinity", "trace", "reused", "verdict_prefix",
     )
 
     def __init__(
@@ -225,6 +229,10 @@ class Cohort:
         self.cached_tokens = 0  # of input_tokens, what the judge found in its prefix cache
         self.judge_affinity = Affinity()  # its home endpoint under judge.routing: cohort_affinity
         self.trace: CohortTrace = NO_COHORT_TRACE  # its genrm.cohort span (server/tracing.py)
+        # Comparisons scored with a kept verdict (no judge call; in started_pairs and results).
+        self.reused = 0
+        # What this cohort's verdict keys start with; built when its first pair is ready.
+        self.verdict_prefix: bytes | None = None
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -262,11 +270,12 @@ class _Record:
     """A terminal record (tombstone): digests and rewards by slot (None for a slot a partial
     cohort was judged without), or the failure. Few objects each."""
 
-    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted", "scored")
+    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted", "scored", "reused")
 
     def __init__(
         self, expires_at: float, digests: tuple[str | None, ...],
         rewards: tuple[float | None, ...], failure: Failure | None, defaulted: int | None = None,
+        reused: int | None = None,
     ) -> None:
         self.expires_at = expires_at
         self.digests = digests
@@ -274,6 +283,7 @@ class _Record:
         self.failure = failure
         self.defaulted = defaulted  # None: not journaled, unknown after a restart
         self.scored = sum(1 for d in digests if d is not None)
+        self.reused = reused  # the same
 
 
 class _Watermark:
@@ -296,8 +306,8 @@ class CohortRegistry:
 
     Obtain one with :meth:`open`, which owns the nursery every cohort task runs in. ``judge``
     judges one pair with its retry budget (server/judge). ``journal`` (optional, owned by the
-    caller) mirrors terminal records and watermarks to disk; the registry reloads them here, so
-    replay, failure records and fencing survive a restart.
+    caller) mirrors terminal records, watermarks and kept verdicts to disk; the registry reloads
+    them here, so replay, failure records, fencing and verdict reuse survive a restart.
     """
 
     def __init__(self, cfg: Config, judge: PairJudge, nursery: trio.Nursery,
@@ -336,6 +346,8 @@ class CohortRegistry:
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
         self._journal = journal
+        # Kept verdicts (server/verdicts.py); None with verdict_reuse: off.
+        self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
         if journal is not None:
             self._reload(journal)
 
@@ -374,14 +386,18 @@ class CohortRegistry:
                 mark.attempt, mark.prompt_digest, now - (wall - mark.touched_wall),
                 mark.finished)
             self._idle_groups[mark.group_id] = None
+        verdicts = 0
+        if self._verdicts is not None:
+            verdicts = self._verdicts.reload(journal, self._cfg.default_score,
+                                             self._cfg.default_ranking, now)
         if journal.skipped_rows:
             logger.warning(
                 "state journal %s: %d malformed or mismatched rows skipped at reload (a changed "
                 "num_rollouts_per_prompt, or a file this version did not write)",
                 journal.path, journal.skipped_rows)
         self._prune(now)
-        logger.info("state journal %s: %d records, %d watermarks reloaded", journal.path,
-                    len(self._records), len(self._watermarks))
+        logger.info("state journal %s: %d records, %d watermarks, %d verdicts reloaded",
+                    journal.path, len(self._records), len(self._watermarks), verdicts)
 
     # ------------------------------------------------------------------ public API
 
@@ -464,7 +480,8 @@ class CohortRegistry:
         if outcome is None:
             reward = cohort.rewards[slot]
             assert reward is not None  # only present members wait on a cohort
-            outcome = Rewarded(reward, cohort.defaulted, cohort.size, cohort.scored_count)
+            outcome = Rewarded(reward, cohort.defaulted, cohort.size, cohort.scored_count,
+                               cohort.reused)
         self.counters[_outcome_label(outcome)] += 1
         return outcome
 
@@ -516,7 +533,20 @@ class CohortRegistry:
             "watch_queue": {"count": len(self._watch_due), "cap": None,
                             "ttl_s": DISCONNECT_WATCH_AFTER_S + _WATCH_SLACK_S},
             "counters": {"count": len(self.counters), "cap": None, "ttl_s": None},
+            "verdicts": {"count": len(self._verdicts or ()),
+                         "cap": cfg.verdict_cache_max_entries if self._verdicts else 0,
+                         "ttl_s": cfg.cohort_result_ttl_s},
         }
+
+    def verdict_status(self) -> dict[str, Any]:
+        """For ``/status``: verdict reuse's mode, the kept verdicts and their cap and TTL, and
+        how many comparisons were reused and judged so far."""
+        cache = self._verdicts
+        status = cache.status() if cache is not None else {
+            "mode": "off", "entries": 0, "cap": 0, "ttl_s": None}
+        status["reused_comparisons"] = self.counters["comparisons_reused"]
+        status["judged_comparisons"] = self.counters["comparisons_judged"]
+        return status
 
     # ------------------------------------------------------------------ admission
 
@@ -570,7 +600,8 @@ class CohortRegistry:
                 return _closed(key, slot, record.scored, len(record.digests))
             if recorded != digest:
                 return _conflict(key, slot, "the completed cohort")
-            return Rewarded(reward, record.defaulted, len(record.digests), record.scored)
+            return Rewarded(reward, record.defaulted, len(record.digests), record.scored,
+                            record.reused)
 
         cohort = self._active.get(key)
         if cohort is not None:
@@ -813,21 +844,25 @@ class CohortRegistry:
             len(present), cfg.comparison_strategy, cfg.num_judges_per_comparison)]
 
     def _start_ready_pairs(self, cohort: Cohort, nursery: trio.Nursery) -> None:
-        """Start every comparison whose members are present, in prefix order (calls sharing
-        the longest prefix back to back). With ``judge.routing: cohort_affinity`` the first
-        one goes alone, a warm-up: the rest follow once it has ended (:meth:`_judge_one`), so
-        they find its prefix in the engine's cache instead of all computing it at once."""
+        """Start every comparison whose members are present and that has no verdict yet, in
+        prefix order (calls sharing the longest prefix back to back); a pair with a kept verdict
+        (verdict reuse) takes it at once instead of a judge call. With ``judge.routing:
+        cohort_affinity`` the first judge call goes alone, a warm-up: the rest follow once it
+        has ended (:meth:`_judge_one`), so they find its prefix in the engine's cache instead of
+        all computing it at once."""
         members = cohort.members
+        results = cohort.results
+        cache = self._verdicts
+        now = trio.current_time()
         warm_up = self._cfg.judge.routing == "cohort_affinity"
         for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
-            if warm_up and cohort.started_pairs and not cohort.results:
-                return  # the warm-up call is in flight
+            if warm_up and len(cohort.started_pairs) > cohort.reused and not (
+                    len(results) > cohort.reused):
+                break  # the warm-up call is in flight
             pair = cohort.pairs[index]
             i, j, judge_idx = pair
             if pair in cohort.started_pairs or i not in members or j not in members:
                 continue
-            cohort.started_pairs.add(pair)
-            self.counters["comparisons_started"] += 1
             # Built now: the task may first run after the cohort failed and dropped its members.
             request = JudgeRequest(
                 history=cohort.history,
@@ -837,12 +872,34 @@ class CohortRegistry:
                 judge_idx=judge_idx,
                 place=place,
             )
+            key = None
+            if cache is not None:
+                if cohort.verdict_prefix is None:
+                    cohort.verdict_prefix = cache.prefix(cohort.key, cohort.principle,
+                                                         cohort.history)
+                key = identity.verdict_key(cohort.verdict_prefix, judge_idx,
+                                           request.response_1, request.response_2)
+                kept = cache.get(key, now)
+                if kept is not None:
+                    cohort.started_pairs.add(pair)  # started and done: no judge call
+                    results[pair] = kept
+                    cohort.reused += 1
+                    self.counters["comparisons_reused"] += 1
+                    continue
+            cohort.started_pairs.add(pair)
+            self.counters["comparisons_started"] += 1
             # Made here, not in the task: a re-plan may cancel it before the task first runs.
             scope = cohort.pair_scopes[pair] = trio.CancelScope()
-            nursery.start_soon(self._judge_one, cohort, pair, request, scope, nursery)
+            nursery.start_soon(self._judge_one, cohort, pair, request, scope, nursery, key)
+        if cohort.pairs and len(results) == len(cohort.pairs):  # every verdict was kept
+            cohort.pairs_done.set()
 
     async def _judge_one(self, cohort: Cohort, pair: tuple[int, int, int], request: JudgeRequest,
-                         scope: trio.CancelScope, nursery: trio.Nursery) -> None:
+                         scope: trio.CancelScope, nursery: trio.Nursery,
+                         key: bytes | None = None) -> None:
+        """Judge one pair for ``cohort``; with ``key`` (verdict reuse on), keep a parsed
+        verdict under it at once, whatever becomes of the cohort: a replacement attempt after
+        a sibling's failure then re-judges only what is missing."""
         try:
             with scope:
                 verdict = await self._judge.judge_pair(request, cohort, cohort.trace)
@@ -865,11 +922,15 @@ class CohortRegistry:
         cohort.input_tokens += verdict.input_tokens
         cohort.output_tokens += verdict.output_tokens
         cohort.cached_tokens += verdict.cached_tokens
+        self.counters["comparisons_judged"] += 1
+        if key is not None and self._verdicts is not None:
+            self._verdicts.put(key, verdict, trio.current_time())
         if cohort.phase in ACTIVE_PHASES and pair in cohort.started_pairs:
             cohort.results[pair] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
-            elif len(cohort.results) == 1 and self._cfg.judge.routing == "cohort_affinity":
+            elif (len(cohort.results) - cohort.reused == 1
+                  and self._cfg.judge.routing == "cohort_affinity"):
                 self._start_ready_pairs(cohort, nursery)  # the warm-up ended: fan out
 
     def _publish(self, cohort: Cohort) -> None:
@@ -931,8 +992,8 @@ class CohortRegistry:
         if not self._transition(cohort, Phase.FAILED):
             return False
         cohort.failure = failure
-        # Comparisons already started (finished or still in flight) are lost with the cohort.
-        self.counters["comparisons_wasted"] += len(cohort.started_pairs)
+        # Judge calls already started (finished or still in flight) are lost with the cohort.
+        self.counters["comparisons_wasted"] += len(cohort.started_pairs) - cohort.reused
         self._disposed(cohort, failure.kind, bound_text(failure.detail, 300))
         self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
@@ -954,6 +1015,7 @@ class CohortRegistry:
             status = f"completed partial ({cohort.scored_count} of {cohort.size} members)"
         else:
             status = f"failed ({kind})"
+        judged = len(cohort.results) - cohort.reused
         fields: dict[str, Any] = {
             "event": "cohort", "key": key, "kind": kind, "attempt": cohort.key.attempt,
             "members": len(cohort.members), "size": cohort.size,
@@ -962,7 +1024,9 @@ class CohortRegistry:
             "total_s": round(now - cohort.opened_at, 6),
             "collection_s": round(collection_s, 6),
             "evaluation_s": None if evaluation_s is None else round(evaluation_s, 6),
-            "judge_calls": len(cohort.started_pairs), "judge_results": len(cohort.results),
+            "judge_calls": len(cohort.started_pairs) - cohort.reused,
+            "judge_results": judged,
+            "reused_comparisons": cohort.reused,
             "defaulted_comparisons": cohort.defaulted,
             "judge_input_tokens": cohort.input_tokens,
             "judge_output_tokens": cohort.output_tokens,
@@ -970,9 +1034,9 @@ class CohortRegistry:
             **_rollout_ids(cohort),
         }
         logger.info(
-            "%s %s after %.3f s: %s; judge tokens %d in, %d out, %d cached", key, status,
-            now - cohort.opened_at, detail, cohort.input_tokens, cohort.output_tokens,
-            cohort.cached_tokens,
+            "%s %s after %.3f s: %s; comparisons %d judged, %d reused; judge tokens %d in, "
+            "%d out, %d cached", key, status, now - cohort.opened_at, detail, judged,
+            cohort.reused, cohort.input_tokens, cohort.output_tokens, cohort.cached_tokens,
             extra=fields,
         )
         cohort.trace.disposed(kind, fields)
@@ -988,6 +1052,7 @@ class CohortRegistry:
         self._active_bytes -= cohort.size_bytes
         cohort.members = {}
         cohort.results = {}
+        cohort.verdict_prefix = None
         failure = cohort.failure
         keep = (failure is not None and failure.kind != "shutdown") or (
             failure is None and key.group_id is not None
@@ -1001,7 +1066,7 @@ class CohortRegistry:
                 )
             expires_at = math.inf if ttl is None else now + ttl
             self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure,
-                                         cohort.defaulted)
+                                         cohort.defaulted, cohort.reused)
             self._records.move_to_end(key)
         if key.group_id is not None:
             group_id = key.group_id
@@ -1054,6 +1119,8 @@ class CohortRegistry:
                 self._journal.delete_records(evicted)
             if dropped:
                 self._journal.delete_watermarks(dropped)
+        if self._verdicts is not None:
+            self._verdicts.prune(now)
 
     # ------------------------------------------------------------------ failure texts
 

@@ -1,4 +1,5 @@
-"""Durable terminal records and attempt watermarks (SQLite), used when ``state_dir`` is set.
+"""Durable terminal records, attempt watermarks and reusable verdicts (SQLite), used when
+``state_dir`` is set.
 
 The registry keeps its records in memory as always; the journal mirrors every insert and eviction
 so that a restarted server reloads them: replay, failure records and attempt fencing survive a
@@ -22,13 +23,15 @@ FULL``), which survives power loss at the cost of one fsync per finished cohort.
 **Reload validates.** Every row is checked on start (key shape, digests and rewards matching the
 configured cohort size, finite rewards, a well-formed failure, a non-negative attempt; a partial
 cohort's record, ``incomplete_cohort_policy: judge_present``, holds null for each slot it was
-judged without, in both lists at the same places, and at least two members); a bad row
-(a changed ``num_rollouts_per_prompt``, a hand-edited or foreign file) is skipped, and the number
-skipped is logged in one warning.
+judged without, in both lists at the same places, and at least two members; for a verdict, a
+sha256 key and finite scores within their scales); a bad row (a changed
+``num_rollouts_per_prompt``, a hand-edited or foreign file) is skipped, never trusted, and the
+number skipped is logged in one warning.
 
 Writes are done inline on the Trio thread: about tens of microseconds each, once per finished
-cohort, cheaper than handing them to a thread. Work that touches many rows (a mass expiry) is one
-transaction. Written by hand over the standard library's sqlite3: the schema is two tables.
+cohort (and once per verdict the judge returns, with ``verdict_reuse`` on), cheaper than handing
+them to a thread. Work that touches many rows (a mass expiry) is one transaction. Written by hand
+over the standard library's sqlite3: the schema is three tables.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 
 from genrm_trio.errors import GenRMError
 from genrm_trio.identity import CohortKey
+from genrm_trio.scoring import RANKING_RANGE, SCORE_RANGE
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,15 @@ CREATE TABLE IF NOT EXISTS watermarks (
     touched_wall REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS watermarks_seq ON watermarks (seq);
+CREATE TABLE IF NOT EXISTS verdicts (
+    key TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    expires_wall REAL,
+    score_1 REAL NOT NULL,
+    score_2 REAL NOT NULL,
+    ranking REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS verdicts_seq ON verdicts (seq);
 """
 
 FILE_NAME = "genrm-trio-state.sqlite3"
@@ -94,6 +107,15 @@ class StoredWatermark:
     prompt_digest: str
     touched_wall: float
     finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoredVerdict:
+    key: bytes
+    expires_wall: float | None
+    score_1: float
+    score_2: float
+    ranking: float
 
 
 def _key_text(key: CohortKey) -> str:
@@ -147,7 +169,7 @@ class Journal:
         self.skipped_rows = 0
         row = self._db.execute(
             "SELECT max(s) FROM (SELECT max(seq) AS s FROM records "
-            "UNION ALL SELECT max(seq) FROM watermarks)"
+            "UNION ALL SELECT max(seq) FROM watermarks UNION ALL SELECT max(seq) FROM verdicts)"
         ).fetchone()
         self._seq = int(row[0] or 0)
 
@@ -311,3 +333,48 @@ class Journal:
     def delete_watermarks(self, group_ids: Iterable[str]) -> bool:
         return self._write(
             ("DELETE FROM watermarks WHERE group_id = ?", (group_id,)) for group_id in group_ids)
+
+    # verdicts ----------------------------------------------------------------------------
+
+    def verdicts(self, default_score: float, default_ranking: float) -> Iterator[StoredVerdict]:
+        """Stored reusable verdicts, oldest first. A row is trusted only when its key is a
+        sha256 hex digest, its expiry null or finite, and each value a finite number within
+        its scale (a verdict's missing field may hold ``default_score`` / ``default_ranking``);
+        any other row is skipped and counted in ``skipped_rows``."""
+        try:
+            rows = self._db.execute(
+                "SELECT key, expires_wall, score_1, score_2, ranking FROM verdicts ORDER BY seq"
+            ).fetchall()
+        except sqlite3.Error as exc:
+            self._degrade(exc)
+            return
+        for key, expires_wall, score_1, score_2, ranking in rows:
+            checks = ((score_1, SCORE_RANGE, default_score),
+                      (score_2, SCORE_RANGE, default_score),
+                      (ranking, RANKING_RANGE, default_ranking))
+            if not (_is_digest(key)
+                    and (expires_wall is None or _finite(expires_wall))
+                    and all(_finite(value) and (low <= value <= high or value == default)
+                            for value, (low, high), default in checks)):
+                self.skipped_rows += 1
+                continue
+            yield StoredVerdict(bytes.fromhex(key),
+                                None if expires_wall is None else float(expires_wall),
+                                float(score_1), float(score_2), float(ranking))
+
+    def put_verdict(self, key: bytes, expires_wall: float | None, score_1: float,
+                    score_2: float, ranking: float) -> bool:
+        return self._write([(
+            "INSERT OR REPLACE INTO verdicts (key, seq, expires_wall, score_1, score_2, ranking) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (key.hex(), self._next_seq(), expires_wall, score_1, score_2, ranking),
+        )])
+
+    def delete_verdicts(self, keys: Iterable[bytes]) -> bool:
+        """Delete many verdicts in one transaction (evicted or expired together)."""
+        return self._write(
+            ("DELETE FROM verdicts WHERE key = ?", (key.hex(),)) for key in keys)
+
+
+def _finite(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]

@@ -130,6 +130,13 @@ def build_openapi() -> dict[str, Any]:
                 "(incomplete_cohort_policy: judge_present), whose rewards are relative to the "
                 "members present.",
             },
+            wire.REUSED_COMPARISONS_KEY: {
+                "anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}],
+                "description": "Rewarded answers only: how many of the cohort's comparisons "
+                "were scored with a verdict kept from an earlier judge call of the same pair "
+                "(verdict_reuse; the same sample, not a new one) instead of calling the judge "
+                "(null: unknown, a record reloaded from state_dir).",
+            },
         },
     }
     components["CompareAnswer"] = {

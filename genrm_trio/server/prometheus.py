@@ -222,6 +222,18 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
         "Comparisons started by cohorts that then failed, or dropped when a partial cohort's "
         "comparisons were planned again (their verdicts discarded).",
         value=counters["comparisons_wasted"])
+    yield CounterMetricFamily(
+        "genrm_comparisons_judged",
+        "Comparisons of cohorts whose verdict came from the judge (parsed or defaulted).",
+        value=counters["comparisons_judged"])
+    yield CounterMetricFamily(
+        "genrm_comparisons_reused",
+        "Comparisons of cohorts scored with a kept verdict instead of a judge call "
+        "(verdict_reuse).", value=counters["comparisons_reused"])
+    verdicts = registry.verdict_status()
+    yield _gauge("genrm_verdict_cache_entries", "Verdicts kept for reuse.", verdicts["entries"])
+    yield _gauge("genrm_verdict_cache_capacity",
+                 "verdict_cache_max_entries (0 with verdict_reuse: off).", verdicts["cap"])
     journal = registry.journal
     if journal is not None:
         state = journal.status()
