@@ -241,18 +241,22 @@ class Journal:
             return False
         return True
 
+    def _rows(self, query: str) -> list[Any]:
+        """All rows of a reload query; none (and the journal degraded) when the file cannot
+        be read."""
+        try:
+            return self._db.execute(query).fetchall()
+        except sqlite3.Error as exc:
+            self._degrade(exc)
+            return []
+
     # records -----------------------------------------------------------------------------
 
     def records(self, cohort_size: int) -> Iterator[StoredRecord]:
         """Stored records, oldest first; rows that do not fit ``cohort_size`` or are malformed
         are skipped and counted in ``skipped_rows``."""
-        try:
-            rows = self._db.execute(
-                "SELECT key, expires_wall, digests, rewards, failure FROM records ORDER BY seq"
-            ).fetchall()
-        except sqlite3.Error as exc:
-            self._degrade(exc)
-            return
+        rows = self._rows(
+            "SELECT key, expires_wall, digests, rewards, failure FROM records ORDER BY seq")
         for key, expires_wall, digests, rewards, failure in rows:
             try:
                 parsed_key = _key_from_text(key)
@@ -305,14 +309,8 @@ class Journal:
 
     def watermarks(self) -> Iterator[StoredWatermark]:
         """Stored watermarks, least recently written first; malformed rows are skipped."""
-        try:
-            rows = self._db.execute(
-                "SELECT group_id, attempt, prompt_digest, touched_wall, finished FROM watermarks "
-                "ORDER BY seq"
-            ).fetchall()
-        except sqlite3.Error as exc:
-            self._degrade(exc)
-            return
+        rows = self._rows("SELECT group_id, attempt, prompt_digest, touched_wall, finished "
+                          "FROM watermarks ORDER BY seq")
         for group_id, attempt, prompt_digest, touched_wall, finished in rows:
             if not (isinstance(group_id, str) and type(attempt) is int and attempt >= 0
                     and _is_digest(prompt_digest) and isinstance(touched_wall, (int, float))
@@ -341,13 +339,8 @@ class Journal:
         sha256 hex digest, its expiry null or finite, and each value a finite number within
         its scale (a verdict's missing field may hold ``default_score`` / ``default_ranking``);
         any other row is skipped and counted in ``skipped_rows``."""
-        try:
-            rows = self._db.execute(
-                "SELECT key, expires_wall, score_1, score_2, ranking FROM verdicts ORDER BY seq"
-            ).fetchall()
-        except sqlite3.Error as exc:
-            self._degrade(exc)
-            return
+        rows = self._rows(
+            "SELECT key, expires_wall, score_1, score_2, ranking FROM verdicts ORDER BY seq")
         for key, expires_wall, score_1, score_2, ranking in rows:
             checks = ((score_1, SCORE_RANGE, default_score),
                       (score_2, SCORE_RANGE, default_score),
