@@ -424,6 +424,17 @@ def test_off_never_imports_opentelemetry() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_otel_sdk_disabled_turns_tracing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    _sdk()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", " True")
+    assert tracing.open_tracer(Config(tracing=TracingConfig(enabled=True))) is tracing.NO_TRACER
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
+    tracer = tracing.open_tracer(Config(tracing=TracingConfig(enabled=True)),
+                                 exporter=_sdk()(), synchronous=True)
+    assert tracer.enabled
+    tracer.close(1.0)
+
+
 _BLOCK_OTEL = """
 import sys
 class _Block:

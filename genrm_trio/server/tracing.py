@@ -191,12 +191,17 @@ def open_tracer(cfg: Config, *, exporter: SpanExporter | None = None,
     """The tracer ``cfg`` asks for: :data:`NO_TRACER` unless ``tracing.enabled``.
 
     ``exporter`` (tests) replaces the OTLP exporter; ``synchronous`` exports each span as it
-    ends (tests) instead of from the batch processor's thread. Raises :class:`ConfigError`
+    ends (tests) instead of from the batch processor's thread. ``OTEL_SDK_DISABLED=true`` in
+    the environment gives :data:`NO_TRACER` too (with one warning line). Raises :class:`ConfigError`
     (key ``tracing.enabled``) when the ``[otel]`` extra is not installed. The caller owns the
     tracer and closes it (:func:`close_tracer`)."""
     if not cfg.tracing.enabled:
         return NO_TRACER
     check_available(cfg)
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        # The standard switch (the SDK's own TracerProvider would hand out no-op spans).
+        logger.warning("tracing: OTEL_SDK_DISABLED=true, so no spans are recorded")
+        return NO_TRACER
     return _OtelTracer(cfg, exporter, synchronous)
 
 
