@@ -388,6 +388,18 @@ def test_a_span_ended_twice_is_exported_once() -> None:
     assert "genrm.outcome" not in exported.attributes
 
 
+def test_a_callers_unsampled_flag_is_followed_and_a_bad_traceparent_ignored() -> None:
+    exporter = _sdk()()
+    tracer = tracing.open_tracer(lifecycle_cfg(), exporter=exporter, synchronous=True)
+    unsampled = [(b"traceparent", f"00-{INBOUND_TRACE}-{INBOUND_SPAN}-00".encode())]
+    assert tracer.request("POST", "/verify", unsampled, None) is tracing.NO_REQUEST_SPAN
+    tracer.request("POST", "/verify", [(b"traceparent", b"00-not-a-trace-01")], None).end(200)
+    (root,) = exporter.get_finished_spans()
+    assert root.parent is None and root.context.trace_flags.sampled
+    assert f"{root.context.trace_id:032x}" != INBOUND_TRACE
+    tracer.close(1.0)
+
+
 # --------------------------------------------------------------------------- off, and export
 
 

@@ -529,7 +529,7 @@ class _OtelTracer(Tracer):
                  "_empty", "_failures", "_judge_attrs", "_judge_name", "_filter", "_root_flags",
                  "_random_flag", "_readable", "_event", "_link", "_status_error", "_unset",
                  "_span_context", "client_kind", "server_kind", "_internal_kind",
-                 "_current_span", "_sampled", "_trace_flags")
+                 "_current_span", "_sampled", "_trace_flags", "_bound", "_id_mask")
     enabled = True
 
     def __init__(self, cfg: Config, exporter: SpanExporter | None, synchronous: bool) -> None:
@@ -557,7 +557,10 @@ class _OtelTracer(Tracer):
             resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
         self._resource = _hashed_resource(resource)
         self._scope = InstrumentationScope("genrm_trio")
-        self._sampler = sampling.ParentBased(sampling.TraceIdRatioBased(cfg.tracing.sample_ratio))
+        ratio = sampling.TraceIdRatioBased(cfg.tracing.sample_ratio)
+        self._sampler = sampling.ParentBased(ratio)
+        self._bound = ratio.bound
+        self._id_mask = ratio.TRACE_ID_LIMIT
         self._ids = RandomIdGenerator()
         self._sampled = sampling.Decision.RECORD_AND_SAMPLE
         self._trace_flags = TraceFlags
@@ -635,24 +638,31 @@ class _OtelTracer(Tracer):
             start_time=span._start_ns, end_time=time.time_ns(),
             instrumentation_scope=self._scope))
 
-    def _root(self, name: str, context: Context | None = None) -> SpanContext | None:
-        """A new span's context, or None when the sampler drops it: the root of a new trace,
-        or (``context`` holding a caller's valid ``traceparent``) a child of that remote span."""
-        parent = None if context is None else self._current_span(context).get_span_context()
-        if parent is None or not parent.is_valid:
-            trace_id = self._ids.generate_trace_id()
-            result = self._sampler.should_sample(self._empty, trace_id, name)
-            if result.decision is not self._sampled:
-                return None
-            flags = self._root_flags
-        else:
-            trace_id = parent.trace_id
-            result = self._sampler.should_sample(context, trace_id, name)
-            if result.decision is not self._sampled:
-                return None
-            flags = self._trace_flags((parent.trace_flags & self._random_flag) | 1)  # sampled
+    def _root(self) -> SpanContext | None:
+        """A new trace's root span context, or None when the ratio sampler drops it: the
+        parent-based sampler's rule for a span without a parent, decided here on the trace id
+        against the ratio sampler's own bound (no sampling result built for a dropped one)."""
+        trace_id = self._ids.generate_trace_id()
+        if trace_id & self._id_mask >= self._bound:
+            return None
         return self._span_context(trace_id, self._ids.generate_span_id(), is_remote=False,
-                                  trace_flags=flags, trace_state=result.trace_state)
+                                  trace_flags=self._root_flags)
+
+    def _remote_child(self, context: Context, name: str) -> tuple[SpanContext | None,
+                                                                   SpanContext | None]:
+        """For a request with a ``traceparent``: its span's context (None when the sampler
+        drops it: a caller's unsampled flag is followed) and its remote parent's (None if the
+        header was not valid: then the span is a root)."""
+        parent = self._current_span(context).get_span_context()
+        if not parent.is_valid:
+            return self._root(), None
+        result = self._sampler.should_sample(context, parent.trace_id, name)
+        if result.decision is not self._sampled:
+            return None, parent
+        flags = self._trace_flags((parent.trace_flags & self._random_flag) | 1)  # sampled
+        return self._span_context(parent.trace_id, self._ids.generate_span_id(),
+                                  is_remote=False, trace_flags=flags,
+                                  trace_state=result.trace_state), parent
 
     def request(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]],
                 rollout_id: str | None) -> RequestSpan:
@@ -666,24 +676,20 @@ class _OtelTracer(Tracer):
                 carrier[name.decode("latin-1")] = value.decode("latin-1")
         span_name = f"{method} {path[:64]}"
         if carrier is None:
-            parent_context = None
-            context = self._root(span_name)
+            context, parent = self._root(), None
         else:
             extracted = self._propagator.extract(carrier, context=self._empty)
-            context = self._root(span_name, extracted)
-            parent_context = self._current_span(extracted).get_span_context()
-            if not parent_context.is_valid:
-                parent_context = None
+            context, parent = self._remote_child(extracted, span_name)
         if context is None:
             return NO_REQUEST_SPAN
         attributes: dict[str, Any] = {"http.request.method": method, "http.route": path,
                                       "url.path": path[:MAX_ID_CHARS]}
         if rollout_id is not None:
             attributes["genrm.rollout_id"] = rollout_id
-        return _OtelRequestSpan(self, span_name, context, parent_context, attributes)
+        return _OtelRequestSpan(self, span_name, context, parent, attributes)
 
     def cohort(self, key: str, group_id: str | None, attempt: int, size: int) -> CohortTrace:
-        context = self._root("genrm.cohort")
+        context = self._root()
         if context is None:
             return NO_COHORT_TRACE
         attributes: dict[str, Any] = {"genrm.cohort.key": key, "genrm.group_attempt": attempt,
@@ -709,7 +715,7 @@ class _OtelTracer(Tracer):
         return _OtelJudgeSpan(self, self._judge_name, context, up, attributes, headers)
 
     def shutdown_began(self, active_cohorts: int, waiters: int) -> None:
-        context = self._root("genrm.shutdown")
+        context = self._root()
         if context is None:
             return
         span = _OtelSpan(self, "genrm.shutdown", context, None, self._internal_kind, {
