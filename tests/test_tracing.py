@@ -163,6 +163,7 @@ async def test_cohort_of_four_in_one_picture() -> None:
     assert sorted(link.context.span_id for link in cohort.links) == sorted(
         s.context.span_id for s in requests)
     assert sorted(link.attributes["genrm.rollout_index"] for link in cohort.links) == [0, 1, 2, 3]
+    assert not any("genrm.duplicate" in link.attributes for link in cohort.links)
     assert [e.name for e in cohort.events] == [
         "genrm.cohort.collected", "genrm.cohort.evaluation_started", "genrm.cohort.published"]
     assert cohort.attributes["genrm.outcome"] == "completed"
@@ -180,8 +181,16 @@ async def test_cohort_of_four_in_one_picture() -> None:
         assert s.attributes["gen_ai.usage.output_tokens"] > 0
         assert s.attributes["gen_ai.response.finish_reasons"][-1] == "completed"
         assert s.attributes["genrm.judge.outcome"] == "verdict"
+    # A comparison answered at its first attempt is that attempt: no events, its duration.
+    single = [s for s in judges if s.attributes["genrm.judge.attempts"] == 1]
+    assert len(single) == 3
+    for s in single:
+        assert s.events == ()
+        assert 0 <= s.attributes["genrm.attempt.duration_s"] <= (s.end_time - s.start_time) / 1e9
+        assert s.attributes["genrm.judge.endpoint"].startswith("http://127.0.0.1:")
     # The retried comparison shows both attempts and the backoff between them.
     (retried,) = [s for s in judges if s.attributes["genrm.judge.attempts"] == 2]
+    assert "genrm.attempt.duration_s" not in retried.attributes
     events = [(e.name, dict(e.attributes)) for e in retried.events]
     assert [name for name, _ in events] == [
         "genrm.judge.attempt", "genrm.judge.backoff", "genrm.judge.attempt"]
@@ -341,6 +350,56 @@ async def test_unsampled_traces_record_nothing(autojump_clock: trio.testing.Mock
     assert len(exporter.get_finished_spans()) == 1
 
 
+async def test_a_retried_request_is_a_duplicate_link_and_links_are_bounded(
+        autojump_clock: trio.testing.MockClock) -> None:
+    cfg = lifecycle_cfg()
+    async with traced_registry(cfg) as (registry, exporter, tracer):
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):  # slot 0 twice: the second is a retried request on the slot
+                nursery.start_soon(registry.verify, member(cfg, 0),
+                                   tracer.request("POST", "/verify", [], None))
+                await trio.testing.wait_all_tasks_blocked()
+            registry.begin_shutdown()
+        # Straight to the interface: a cohort joined by more requests than MAX_LINKS.
+        busy = tracer.cohort("k", None, 0, 2)
+        for _ in range(tracing.MAX_LINKS + 5):
+            busy.joined(tracer.request("POST", "/verify", [], None), 1, True)
+        busy.disposed("shutdown", {})
+    cohorts = by_name(exporter.get_finished_spans(), "genrm.cohort")
+    first = next(s for s in cohorts if "genrm.cohort.key" in s.attributes
+                 and s.attributes["genrm.cohort.key"] != "k")
+    assert [dict(link.attributes) for link in first.links] == [
+        {"genrm.rollout_index": 0}, {"genrm.rollout_index": 0, "genrm.duplicate": True}]
+    (bounded,) = [s for s in cohorts if s.attributes["genrm.cohort.key"] == "k"]
+    assert len(bounded.links) == tracing.MAX_LINKS
+
+
+def test_a_span_ended_twice_is_exported_once() -> None:
+    _sdk()
+    exporter = _sdk()()
+    tracer = tracing.open_tracer(Config(tracing=TracingConfig(enabled=True)),
+                                 exporter=exporter, synchronous=True)
+    span = tracer.request("POST", "/verify", [], None)
+    span.end(200)
+    span.outcome("rewarded")  # too late: ignored, the exported span is unchanged
+    span.end(503)
+    (exported,) = exporter.get_finished_spans()
+    assert exported.attributes["http.response.status_code"] == 200
+    assert "genrm.outcome" not in exported.attributes
+
+
+def test_a_callers_unsampled_flag_is_followed_and_a_bad_traceparent_ignored() -> None:
+    exporter = _sdk()()
+    tracer = tracing.open_tracer(lifecycle_cfg(), exporter=exporter, synchronous=True)
+    unsampled = [(b"traceparent", f"00-{INBOUND_TRACE}-{INBOUND_SPAN}-00".encode())]
+    assert tracer.request("POST", "/verify", unsampled, None) is tracing.NO_REQUEST_SPAN
+    tracer.request("POST", "/verify", [(b"traceparent", b"00-not-a-trace-01")], None).end(200)
+    (root,) = exporter.get_finished_spans()
+    assert root.parent is None and root.context.trace_flags.sampled
+    assert f"{root.context.trace_id:032x}" != INBOUND_TRACE
+    tracer.close(1.0)
+
+
 # --------------------------------------------------------------------------- off, and export
 
 
@@ -353,6 +412,39 @@ def test_off_is_the_shared_no_op() -> None:
     assert tracer.cohort("k", "g", 0, 4) is tracing.NO_COHORT_TRACE
     assert tracing.NO_COHORT_TRACE.judge_call(0) is tracing.NO_JUDGE_SPAN
     assert tracing.NO_JUDGE_SPAN.headers() == ()
+
+
+def test_off_never_imports_opentelemetry() -> None:
+    # The whole server's modules, and a request's, cohort's and judge call's spans with
+    # tracing off: nothing of the SDK (or the API) is loaded, so off costs the same with the
+    # extra installed or not.
+    code = (
+        "import sys\n"
+        "import genrm_trio.cli, genrm_trio.server.serve\n"
+        "from genrm_trio.config import Config\n"
+        "from genrm_trio.server import tracing\n"
+        "tracer = tracing.open_tracer(Config())\n"
+        "span = tracer.request('POST', '/verify', [(b'traceparent', b'00-x')], None)\n"
+        "judge = tracer.cohort('k', 'g', 0, 4).judge_call(0)\n"
+        "judge.attempt(0, None, 0.1); judge.end('verdict', None, 1, 1); span.end(200)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'opentelemetry')\n"
+        "print(loaded)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_otel_sdk_disabled_turns_tracing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    _sdk()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", " True")
+    assert tracing.open_tracer(Config(tracing=TracingConfig(enabled=True))) is tracing.NO_TRACER
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
+    tracer = tracing.open_tracer(Config(tracing=TracingConfig(enabled=True)),
+                                 exporter=_sdk()(), synchronous=True)
+    assert tracer.enabled
+    tracer.close(1.0)
 
 
 _BLOCK_OTEL = """

@@ -198,7 +198,14 @@ def trace_timeline(ax: Any, spans: Sequence[dict[str, Any]]) -> None:
         else:
             labels.append(f"judge #{y - len(rows) + sum(1 for r in rows if kind(r) == 'judge')}"
                           f" ({attrs.get('genrm.judge.attempts', '?')} attempts)")
-            for e in s["events"]:
+            events = s["events"]
+            if not events and "genrm.attempt.duration_s" in attrs:
+                # One attempt: no events, the span itself is the attempt (it ends with it).
+                events = [{"name": "genrm.judge.attempt", "time_ns": s["end_ns"], "attributes": {
+                    "genrm.attempt.duration_s": attrs["genrm.attempt.duration_s"],
+                    "genrm.attempt.outcome": "answer" if "error.type" not in attrs else "failed",
+                    "error.type": attrs.get("error.type")}}]
+            for e in events:
                 a = e["attributes"]
                 end = ms(e["time_ns"])
                 if e["name"] == "genrm.judge.attempt":

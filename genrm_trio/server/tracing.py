@@ -13,9 +13,16 @@ and the rest of the server talks to it through the same small interface:
   or failed; the registry's shutdown is one short span with its counts (no span per waiter);
 - the judge: one CLIENT span per comparison (:meth:`JudgeParent.judge_call`), started from its
   cohort's span (or the ``/compare`` request's) explicitly, never from the ambient context
-  (trio copies the spawning request's context into the cohort's tasks); every attempt and
-  backoff is an event, the GenAI attributes are set when it ends, and its ``traceparent`` goes
-  into the judge's HTTP request.
+  (trio copies the spawning request's context into the cohort's tasks); a retried call has an
+  event per attempt and backoff (one attempt: the span's own attributes say it all), the GenAI
+  attributes are set when it ends, and its ``traceparent`` goes into the judge's HTTP request.
+
+Cost (issue 20's goal: 0.85x of off at sample ratio 1.0, 0.97x at 0.1): the sampler decides
+first, so an unsampled request or cohort builds nothing; a recorded span is a plain record
+(:class:`_OtelSpan`) handed to the SDK's batch processor as a ``ReadableSpan`` when it ends,
+without the SDK span's per-attribute checks and locks; what remains is mostly the OTLP
+encoding in the export thread, which grows with the number of spans, events, links and
+attributes (so nothing is exported twice).
 
 No prompt or answer text, no judge error text and no secret goes into any attribute: only ids,
 coordinates, counts, labels from fixed sets, and the judge's model name and finish reasons.
@@ -31,7 +38,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from functools import partial
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -41,9 +51,11 @@ from genrm_trio.errors import ConfigError
 from genrm_trio.logs import RateLimitedNote
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import Link, SpanContext, SpanKind
 
     from genrm_trio.wire import VerifyMember
 
@@ -61,6 +73,7 @@ UNTRACED_PATHS = frozenset({"/", "/health", "/healthz", "/livez", "/readyz", "/m
 MAX_ID_CHARS = 256
 _EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",)
 _EMPTY: tuple[tuple[str, str], ...] = ()
+_NO_ATTRIBUTES: Mapping[str, Any] = MappingProxyType({})
 
 
 # --------------------------------------------------------------------------- the interface
@@ -178,12 +191,17 @@ def open_tracer(cfg: Config, *, exporter: SpanExporter | None = None,
     """The tracer ``cfg`` asks for: :data:`NO_TRACER` unless ``tracing.enabled``.
 
     ``exporter`` (tests) replaces the OTLP exporter; ``synchronous`` exports each span as it
-    ends (tests) instead of from the batch processor's thread. Raises :class:`ConfigError`
+    ends (tests) instead of from the batch processor's thread. ``OTEL_SDK_DISABLED=true`` in
+    the environment gives :data:`NO_TRACER` too (with one warning line). Raises :class:`ConfigError`
     (key ``tracing.enabled``) when the ``[otel]`` extra is not installed. The caller owns the
     tracer and closes it (:func:`close_tracer`)."""
     if not cfg.tracing.enabled:
         return NO_TRACER
     check_available(cfg)
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        # The standard switch (the SDK's own TracerProvider would hand out no-op spans).
+        logger.warning("tracing: OTEL_SDK_DISABLED=true, so no spans are recorded")
+        return NO_TRACER
     return _OtelTracer(cfg, exporter, synchronous)
 
 
@@ -264,13 +282,70 @@ def _cached_tokens(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-class _OtelJudgeSpan(JudgeSpan):
-    __slots__ = ("_span", "_headers", "_finish", "_cached", "_model", "_endpoint", "_attempts",
-                 "_last_reason")
+#: At most this many links and events per span (the SDK's own default limits): a cohort's
+#: links grow with retried requests on its slots, a judge span's events with its retry budget.
+MAX_LINKS = 128
+MAX_EVENTS = 128
+
+
+class _OtelSpan:
+    """One recording span, kept as plain fields and handed to the batch processor as the
+    SDK's ``ReadableSpan`` when it ends (:meth:`_OtelTracer.finish`).
+
+    Why not the SDK's own span: it checks every attribute's type under a lock, on each
+    ``set_attribute`` and each event and link, which was most of tracing's CPU in the tracing
+    bench. Ours are built here from fixed keys and values already of OTLP's types (caller ids
+    clipped to :data:`MAX_ID_CHARS`, links and events bounded), so there is nothing to check.
+    Used from the trio thread only; once ended nothing changes it (the export thread reads
+    it), and a late change is ignored."""
+
+    __slots__ = ("_tracer", "_name", "_context", "_parent", "_kind", "_start_ns", "_attributes",
+                 "_events", "_links", "_ended")
+
+    def __init__(self, tracer: _OtelTracer, name: str, context: SpanContext,
+                 parent: SpanContext | None, kind: SpanKind, attributes: dict[str, Any]) -> None:
+        self._tracer = tracer
+        self._name = name
+        self._context = context
+        self._parent = parent
+        self._kind = kind
+        self._start_ns = time.time_ns()
+        self._attributes = attributes
+        self._events: list[Event] = []
+        self._links: list[Link] = []
+        self._ended = False
+
+    def _event(self, name: str, attributes: Mapping[str, Any] = _NO_ATTRIBUTES,
+               timestamp_ns: int | None = None) -> None:
+        if not self._ended and len(self._events) < MAX_EVENTS:
+            self._events.append(self._tracer.event(name, attributes, timestamp_ns))
+
+    def _link(self, context: SpanContext, attributes: Mapping[str, Any] = _NO_ATTRIBUTES) -> None:
+        if not self._ended and len(self._links) < MAX_LINKS:
+            self._links.append(self._tracer.link(context, attributes))
+
+    def _end(self, error: str | None = None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._tracer.finish(self, error)
+            # The exported dict is the export thread's now: late writes land in a new one.
+            self._attributes = {}
+
+
+class _OtelJudgeSpan(_OtelSpan, JudgeSpan):
+    """A judge comparison's CLIENT span. One attempt (the common case) is told by the span's
+    own attributes (``genrm.judge.attempts`` 1, its ``genrm.attempt.duration_s``: the call
+    without the wait for a judge slot, and the outcome, ``error.type`` and endpoint); when
+    there were more, each attempt and backoff is an event, stamped when it happened."""
+
+    __slots__ = ("_headers", "_finish", "_cached", "_model", "_endpoint", "_attempts",
+                 "_last_reason", "_steps")
     recording = True
 
-    def __init__(self, span: Span, headers: Sequence[tuple[str, str]]) -> None:
-        self._span = span
+    def __init__(self, tracer: _OtelTracer, name: str, context: SpanContext,
+                 parent: SpanContext, attributes: dict[str, Any],
+                 headers: Sequence[tuple[str, str]]) -> None:
+        super().__init__(tracer, name, context, parent, tracer.client_kind, attributes)
         self._headers = headers
         self._finish: list[str] = []
         self._cached: int | None = None
@@ -278,6 +353,8 @@ class _OtelJudgeSpan(JudgeSpan):
         self._endpoint: str | None = None
         self._attempts = 0
         self._last_reason: str | None = None
+        # (time_ns, event name, attributes): events only if there is a second attempt.
+        self._steps: list[tuple[int, str, dict[str, Any]]] = []
 
     def headers(self) -> Sequence[tuple[str, str]]:
         return self._headers
@@ -309,23 +386,21 @@ class _OtelJudgeSpan(JudgeSpan):
             self._last_reason = reason
         if self._endpoint is not None:
             attributes["genrm.judge.endpoint"] = self._endpoint
-        self._span.add_event("genrm.judge.attempt", attributes)
+        if len(self._steps) < MAX_EVENTS:
+            self._steps.append((time.time_ns(), "genrm.judge.attempt", attributes))
 
     def backoff(self, number: int, seconds: float) -> None:
-        self._span.add_event("genrm.judge.backoff",
-                             {"genrm.attempt": number, "genrm.backoff_s": round(seconds, 6)})
+        if len(self._steps) < MAX_EVENTS:
+            self._steps.append((time.time_ns(), "genrm.judge.backoff",
+                                {"genrm.attempt": number, "genrm.backoff_s": round(seconds, 6)}))
 
     def end(self, outcome: str, error_type: str | None, input_tokens: int,
             output_tokens: int) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
-        span = self._span
-        attributes: dict[str, Any] = {
-            "genrm.judge.outcome": outcome,
-            "genrm.judge.attempts": self._attempts,
-            "gen_ai.usage.input_tokens": input_tokens,
-            "gen_ai.usage.output_tokens": output_tokens,
-        }
+        attributes = self._attributes
+        attributes["genrm.judge.outcome"] = outcome
+        attributes["genrm.judge.attempts"] = self._attempts
+        attributes["gen_ai.usage.input_tokens"] = input_tokens
+        attributes["gen_ai.usage.output_tokens"] = output_tokens
         if self._finish:
             attributes["gen_ai.response.finish_reasons"] = self._finish[-8:]
         if self._cached is not None:
@@ -334,72 +409,73 @@ class _OtelJudgeSpan(JudgeSpan):
             attributes["gen_ai.response.model"] = self._model
         if self._endpoint is not None:
             attributes["genrm.judge.endpoint"] = self._endpoint
+        steps = self._steps
+        if self._attempts > 1:
+            for timestamp_ns, name, step in steps:
+                self._event(name, step, timestamp_ns)
+        elif steps:  # one attempt: the span is the attempt (its outcome, error.type, endpoint)
+            attributes["genrm.attempt.duration_s"] = steps[0][2]["genrm.attempt.duration_s"]
+        error = None
         if outcome == "failed":
             error = error_type or self._last_reason or "judge_failed"
             attributes["error.type"] = error
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.set_attributes(attributes)
-        span.end()
+        self._end(error)
 
 
-class _OtelParent(JudgeParent):
+class _OtelParent(_OtelSpan, JudgeParent):
     """A span judge calls are started from (the cohort's or a ``/compare`` request's)."""
 
-    __slots__ = ("_tracer", "_span")
-
-    def __init__(self, tracer: _OtelTracer, span: Span) -> None:
-        self._tracer = tracer
-        self._span = span
+    __slots__ = ()
 
     def judge_call(self, judge_idx: int) -> JudgeSpan:
-        return self._tracer.judge_span(self._span, judge_idx)
+        return self._tracer.judge_span(self, judge_idx)
 
 
 class _OtelRequestSpan(_OtelParent, RequestSpan):
     __slots__ = ("_failed",)
     recording = True
 
-    def __init__(self, tracer: _OtelTracer, span: Span) -> None:
-        super().__init__(tracer, span)
+    def __init__(self, tracer: _OtelTracer, name: str, context: SpanContext,
+                 parent: SpanContext | None, attributes: dict[str, Any]) -> None:
+        super().__init__(tracer, name, context, parent, tracer.server_kind, attributes)
         self._failed = False
 
     def member(self, member: VerifyMember) -> None:
-        attributes: dict[str, Any] = {"genrm.group_attempt": member.attempt}
+        attributes = self._attributes
+        attributes["genrm.group_attempt"] = member.attempt
         if member.group_id is not None:
             attributes["genrm.group_id"] = _clip(member.group_id)
         if member.rollout_index is not None:
             attributes["genrm.rollout_index"] = member.rollout_index
-        self._span.set_attributes(attributes)
 
     def outcome(self, label: str, masked: bool = False, detail: str | None = None) -> None:
-        span = self._span
-        span.set_attribute("genrm.outcome", label)
-        span.set_attribute("genrm.mask_sample", masked)
+        attributes = self._attributes
+        attributes["genrm.outcome"] = label
+        attributes["genrm.mask_sample"] = masked
         if label not in ("rewarded", "masked", "disconnected"):
-            span.set_attribute("genrm.failure_kind", label)
+            attributes["genrm.failure_kind"] = label
         elif masked:
-            span.set_attribute("genrm.failure_kind", "judge_failed")
+            attributes["genrm.failure_kind"] = "judge_failed"
         if label == "overloaded":
-            span.add_event("genrm.admission.refused",
-                           {"genrm.reason": (detail or "overloaded")[:200]})
+            self._event("genrm.admission.refused",
+                        {"genrm.reason": (detail or "overloaded")[:200]})
         self._failed = masked
 
     def end(self, status: int | None) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
-        span = self._span
+        error = None
         if status is not None:
-            span.set_attribute("http.response.status_code", status)
-        if status is not None and status >= 500:
-            span.set_status(Status(StatusCode.ERROR, str(status)))
-        elif self._failed:
-            span.set_status(Status(StatusCode.ERROR, "masked: judge_failed"))
-        span.end()
+            self._attributes["http.response.status_code"] = status
+            if status >= 500:
+                error = str(status)
+        if error is None and self._failed:
+            error = "masked: judge_failed"
+        self._end(error)
 
-    def link_cohort(self, cohort: Span) -> None:
-        context = cohort.get_span_context()
-        self._span.set_attribute("genrm.cohort.trace_id", f"{context.trace_id:032x}")
-        self._span.add_link(context, {"genrm.link": "cohort"})
+    def link_cohort(self, cohort: _OtelSpan) -> None:
+        if not self._ended:
+            context = cohort._context
+            self._attributes["genrm.cohort.trace_id"] = f"{context.trace_id:032x}"
+            self._link(context)
 
 
 class _OtelCohortTrace(_OtelParent, CohortTrace):
@@ -408,55 +484,70 @@ class _OtelCohortTrace(_OtelParent, CohortTrace):
     def joined(self, request: RequestSpan, slot: int, duplicate: bool) -> None:
         if not isinstance(request, _OtelRequestSpan):
             return
-        self._span.add_link(request._span.get_span_context(),
-                            {"genrm.rollout_index": slot, "genrm.duplicate": duplicate})
-        request.link_cohort(self._span)
+        # genrm.duplicate only on a retried request's link (a new member's is the rule).
+        self._link(request._context, {"genrm.rollout_index": slot, "genrm.duplicate": True}
+                   if duplicate else {"genrm.rollout_index": slot})
+        request.link_cohort(self)
 
     def collected(self) -> None:
-        self._span.add_event("genrm.cohort.collected")
+        self._event("genrm.cohort.collected")
 
     def evaluation_started(self, comparisons: int) -> None:
-        self._span.add_event("genrm.cohort.evaluation_started",
-                             {"genrm.comparisons": comparisons})
+        self._event("genrm.cohort.evaluation_started", {"genrm.comparisons": comparisons})
 
     def disposed(self, kind: str, fields: Mapping[str, Any]) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
-        span = self._span
-        counts = {f"genrm.{name}": value for name, value in fields.items()
-                  if name in _COHORT_COUNTS and value is not None}
-        span.set_attributes(counts)
-        span.set_attribute("genrm.outcome", kind)
+        attributes = self._attributes
+        for name in _COHORT_COUNTS:
+            value = fields.get(name)
+            if value is not None:
+                attributes[_COHORT_COUNTS[name]] = value
+        attributes["genrm.outcome"] = kind
         if kind in ("completed", "partial"):  # partial: judged over the members present
-            span.add_event("genrm.cohort.published")
+            self._event("genrm.cohort.published")
+            self._end()
         else:
-            span.set_attribute("genrm.failure_kind", kind)
-            span.add_event("genrm.cohort.failed", {"genrm.failure_kind": kind})
-            span.set_status(Status(StatusCode.ERROR, kind))
-        span.end()
+            attributes["genrm.failure_kind"] = kind
+            self._event("genrm.cohort.failed", {"genrm.failure_kind": kind})
+            self._end(kind)
 
 
 #: The disposition line's fields a cohort span carries (as ``genrm.<name>``): counts only.
-_COHORT_COUNTS = frozenset({
+_COHORT_COUNTS = {name: f"genrm.{name}" for name in (
     "members", "size", "collection_s", "evaluation_s", "judge_calls", "judge_results",
     "defaulted_comparisons", "judge_input_tokens", "judge_output_tokens", "judge_cached_tokens",
     "scored",
-})
+)}
 
 
 class _OtelTracer(Tracer):
-    """The OpenTelemetry tracer: its own ``TracerProvider`` (never the process-global one),
-    a parent-based ratio sampler, a batch processor exporting over OTLP/HTTP."""
+    """The OpenTelemetry tracer: the SDK's parent-based ratio sampler, random ids, resource and
+    batch processor exporting over OTLP/HTTP (no ``TracerProvider``: never the process-global
+    one, and our spans are :class:`_OtelSpan`). The sampling decision comes first: an
+    unsampled request or cohort builds nothing and gets the shared no-op."""
 
-    __slots__ = ("_provider", "_tracer", "_propagator", "_empty", "_failures", "_judge_attrs",
-                 "_judge_name", "_filter")
+    __slots__ = ("_processor", "_sampler", "_ids", "_resource", "_scope", "_propagator",
+                 "_empty", "_failures", "_judge_attrs", "_judge_name", "_filter", "_root_flags",
+                 "_random_flag", "_readable", "_event", "_link", "_status_error", "_unset",
+                 "_span_context", "client_kind", "server_kind", "_internal_kind",
+                 "_current_span", "_sampled", "_trace_flags", "_bound", "_id_mask")
     enabled = True
 
     def __init__(self, cfg: Config, exporter: SpanExporter | None, synchronous: bool) -> None:
         from opentelemetry import context as otel_context
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider, sampling
+        from opentelemetry.sdk.trace import Event, ReadableSpan, sampling
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import (
+            Link,
+            SpanContext,
+            SpanKind,
+            Status,
+            StatusCode,
+            TraceFlags,
+            get_current_span,
+        )
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         resource = Resource.create({})
@@ -464,23 +555,38 @@ class _OtelTracer(Tracer):
         if not isinstance(name, str) or name.startswith("unknown_service"):
             # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win; else ours.
             resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
-        self._provider: TracerProvider = TracerProvider(
-            resource=resource,
-            sampler=sampling.ParentBased(sampling.TraceIdRatioBased(cfg.tracing.sample_ratio)),
-            shutdown_on_exit=False,  # closed by serve within its deadline, not at exit
-        )
+        self._resource = _hashed_resource(resource)
+        self._scope = InstrumentationScope("genrm_trio")
+        ratio = sampling.TraceIdRatioBased(cfg.tracing.sample_ratio)
+        self._sampler = sampling.ParentBased(ratio)
+        self._bound = ratio.bound
+        self._id_mask = ratio.TRACE_ID_LIMIT
+        self._ids = RandomIdGenerator()
+        self._sampled = sampling.Decision.RECORD_AND_SAMPLE
+        self._trace_flags = TraceFlags
+        # W3C trace context level 2's "random trace id" flag, as the SDK sets it (newer APIs).
+        self._random_flag = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+        self._root_flags = TraceFlags(TraceFlags.SAMPLED | self._random_flag)
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=cfg.tracing.otlp_endpoint)
         self._failures = _ExportFailures()
         counting = _counting_exporter(exporter, self._failures)
-        processor = (SimpleSpanProcessor(counting) if synchronous
-                     else BatchSpanProcessor(counting))
-        self._provider.add_span_processor(processor)
-        self._tracer = self._provider.get_tracer("genrm_trio")
+        self._processor = (SimpleSpanProcessor(counting) if synchronous
+                           else BatchSpanProcessor(counting))
         self._propagator = TraceContextTextMapPropagator()
         self._empty = otel_context.Context()
+        self._readable = ReadableSpan
+        self._event = Event
+        self._link = Link
+        self._span_context = SpanContext
+        self._current_span = get_current_span
+        self._status_error = partial(Status, StatusCode.ERROR)
+        self._unset = Status(StatusCode.UNSET)
+        self.client_kind = SpanKind.CLIENT
+        self.server_kind = SpanKind.SERVER
+        self._internal_kind = SpanKind.INTERNAL
         # The exporter logs every failed export (with retries); ours is one rate-limited line.
         self._filter = _DropRecords()
         for name in _EXPORTER_LOGGERS:
@@ -514,10 +620,52 @@ class _OtelTracer(Tracer):
     def export_failures(self) -> int:
         return self._failures.spans
 
+    # The spans' building blocks, for _OtelSpan (the SDK's classes, imported only when on).
+
+    def event(self, name: str, attributes: Mapping[str, Any], timestamp_ns: int | None) -> Event:
+        return self._event(name, attributes, timestamp_ns)
+
+    def link(self, context: SpanContext, attributes: Mapping[str, Any]) -> Link:
+        return self._link(context, attributes)
+
+    def finish(self, span: _OtelSpan, error: str | None) -> None:
+        """``span`` ended now: to the processor (the batch processor queues it for export)."""
+        self._processor.on_end(self._readable(
+            name=span._name, context=span._context, parent=span._parent,
+            resource=self._resource, attributes=span._attributes, events=span._events,
+            links=span._links, kind=span._kind,
+            status=self._unset if error is None else self._status_error(error),
+            start_time=span._start_ns, end_time=time.time_ns(),
+            instrumentation_scope=self._scope))
+
+    def _root(self) -> SpanContext | None:
+        """A new trace's root span context, or None when the ratio sampler drops it: the
+        parent-based sampler's rule for a span without a parent, decided here on the trace id
+        against the ratio sampler's own bound (no sampling result built for a dropped one)."""
+        trace_id = self._ids.generate_trace_id()
+        if trace_id & self._id_mask >= self._bound:
+            return None
+        return self._span_context(trace_id, self._ids.generate_span_id(), is_remote=False,
+                                  trace_flags=self._root_flags)
+
+    def _remote_child(self, context: Context, name: str) -> tuple[SpanContext | None,
+                                                                   SpanContext | None]:
+        """For a request with a ``traceparent``: its span's context (None when the sampler
+        drops it: a caller's unsampled flag is followed) and its remote parent's (None if the
+        header was not valid: then the span is a root)."""
+        parent = self._current_span(context).get_span_context()
+        if not parent.is_valid:
+            return self._root(), None
+        result = self._sampler.should_sample(context, parent.trace_id, name)
+        if result.decision is not self._sampled:
+            return None, parent
+        flags = self._trace_flags((parent.trace_flags & self._random_flag) | 1)  # sampled
+        return self._span_context(parent.trace_id, self._ids.generate_span_id(),
+                                  is_remote=False, trace_flags=flags,
+                                  trace_state=result.trace_state), parent
+
     def request(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]],
                 rollout_id: str | None) -> RequestSpan:
-        from opentelemetry.trace import SpanKind
-
         if path in UNTRACED_PATHS:
             return NO_REQUEST_SPAN
         carrier: dict[str, str] | None = None
@@ -526,53 +674,78 @@ class _OtelTracer(Tracer):
                 if carrier is None:
                     carrier = {}
                 carrier[name.decode("latin-1")] = value.decode("latin-1")
-        context = (self._empty if carrier is None
-                   else self._propagator.extract(carrier, context=self._empty))
+        span_name = f"{method} {path[:64]}"
+        if carrier is None:
+            context, parent = self._root(), None
+        else:
+            extracted = self._propagator.extract(carrier, context=self._empty)
+            context, parent = self._remote_child(extracted, span_name)
+        if context is None:
+            return NO_REQUEST_SPAN
         attributes: dict[str, Any] = {"http.request.method": method, "http.route": path,
                                       "url.path": path[:MAX_ID_CHARS]}
         if rollout_id is not None:
             attributes["genrm.rollout_id"] = rollout_id
-        span = self._tracer.start_span(f"{method} {path[:64]}", context=context,
-                                       kind=SpanKind.SERVER, attributes=attributes)
-        if not span.is_recording():
-            return NO_REQUEST_SPAN
-        return _OtelRequestSpan(self, span)
+        return _OtelRequestSpan(self, span_name, context, parent, attributes)
 
     def cohort(self, key: str, group_id: str | None, attempt: int, size: int) -> CohortTrace:
+        context = self._root()
+        if context is None:
+            return NO_COHORT_TRACE
         attributes: dict[str, Any] = {"genrm.cohort.key": key, "genrm.group_attempt": attempt,
                                       "genrm.size": size}
         if group_id is not None:
             attributes["genrm.group_id"] = _clip(group_id)
-        span = self._tracer.start_span("genrm.cohort", context=self._empty,
-                                       attributes=attributes)
-        if not span.is_recording():
-            return NO_COHORT_TRACE
-        return _OtelCohortTrace(self, span)
+        return _OtelCohortTrace(self, "genrm.cohort", context, None, self._internal_kind,
+                                attributes)
 
-    def judge_span(self, parent: Span, judge_idx: int) -> JudgeSpan:
-        from opentelemetry.trace import SpanKind, set_span_in_context
-
-        context = set_span_in_context(parent, self._empty)
-        span = self._tracer.start_span(self._judge_name, context=context, kind=SpanKind.CLIENT,
-                                       attributes={**self._judge_attrs,
-                                                   "genrm.judge.idx": judge_idx})
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context=set_span_in_context(span, self._empty))
-        return _OtelJudgeSpan(span, tuple(carrier.items()))
+    def judge_span(self, parent: _OtelSpan, judge_idx: int) -> JudgeSpan:
+        # A child of a recording span is recorded (the parent-based sampler's rule for a
+        # sampled local parent): no sampler call.
+        up = parent._context
+        context = self._span_context(up.trace_id, self._ids.generate_span_id(), is_remote=False,
+                                     trace_flags=up.trace_flags, trace_state=up.trace_state)
+        # W3C trace context: version 00, trace id, parent (this span) id, flags.
+        headers: tuple[tuple[str, str], ...] = (
+            ("traceparent", f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+                            f"{context.trace_flags:02x}"),)
+        if context.trace_state:
+            headers += (("tracestate", context.trace_state.to_header()),)
+        attributes = {**self._judge_attrs, "genrm.judge.idx": judge_idx}
+        return _OtelJudgeSpan(self, self._judge_name, context, up, attributes, headers)
 
     def shutdown_began(self, active_cohorts: int, waiters: int) -> None:
-        span = self._tracer.start_span("genrm.shutdown", context=self._empty, attributes={
+        context = self._root()
+        if context is None:
+            return
+        span = _OtelSpan(self, "genrm.shutdown", context, None, self._internal_kind, {
             "genrm.active_cohorts": active_cohorts, "genrm.waiters": waiters})
-        span.add_event("genrm.shutdown.began")
-        span.end()
+        span._event("genrm.shutdown.began")
+        span._end()
 
     def close(self, timeout_s: float) -> None:
         try:
-            self._provider.force_flush(int(timeout_s * 1000))
-            self._provider.shutdown()
+            self._processor.force_flush(int(timeout_s * 1000))
+            self._processor.shutdown()
         finally:
             for name in _EXPORTER_LOGGERS:
                 logging.getLogger(name).removeFilter(self._filter)
+
+
+def _hashed_resource(resource: Resource) -> Resource:
+    """``resource`` with its hash computed once: the OTLP encoder groups spans by resource,
+    hashing it once per span (a JSON dump of its attributes each time)."""
+    from opentelemetry.sdk.resources import Resource
+
+    class HashedResource(Resource):
+        def __init__(self, attributes: Any, schema_url: str | None) -> None:
+            super().__init__(attributes, schema_url)
+            self._hash = super().__hash__()
+
+        def __hash__(self) -> int:
+            return self._hash
+
+    return HashedResource(resource.attributes, resource.schema_url)
 
 
 class _DropRecords(logging.Filter):

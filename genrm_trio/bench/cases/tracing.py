@@ -1,21 +1,29 @@
 """``tracing``: what cohort-level traces cost (issue 20), and one cohort's trace as a picture.
 
-One case, three servers side by side in one run, in interleaved rounds (off, on at sample
-ratio 1.0, on at 0.1, then again): closed-loop cohorts against an instant judge, so the
-server's CPU is the limit and the tracing work shows. The spans go over OTLP/HTTP to a sink on
-loopback (a thread of this process) that accepts and discards them. Then a short traced run
-against a judge that fails a third of its calls keeps the spans of a few cohorts, for the
-timeline plot (bench/plots.py: ``tracing_timeline.png``). Needs the ``[otel]`` extra (the
-picture decodes the protobuf with ``opentelemetry-proto``).
+One case, four servers side by side in one run, in interleaved rounds (off, on at sample
+ratio 1.0, on at 0.1, off with the ``opentelemetry`` packages made unimportable, then again):
+closed-loop cohorts against an instant judge, so the server's CPU is the limit and the tracing
+work shows. The ratios are medians of each round's ratio to that round's off arm (the arms of a
+round run back to back, so a neighbour's load drifting between rounds cancels out). The spans
+go over OTLP/HTTP to a sink on loopback (a thread of this process) that accepts and discards
+them. The no-extra arm (``off_no_otel``) runs the server with a ``sitecustomize`` first on its
+``PYTHONPATH`` whose import hook refuses every ``opentelemetry`` module, as if the ``[otel]``
+extra were not installed. Then a short traced run against a judge that fails a third of its
+calls keeps the spans of a few cohorts, for the timeline plot (bench/plots.py:
+``tracing_timeline.png``). Needs the ``[otel]`` extra (the picture decodes the protobuf with
+``opentelemetry-proto``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,7 +41,21 @@ from genrm_trio.bench.records import (
 from genrm_trio.bench.rig import _rig
 
 VARIANTS: tuple[tuple[str, float | None], ...] = (("off", None), ("on_1.0", 1.0),
-                                                  ("on_0.1", 0.1))
+                                                  ("on_0.1", 0.1), ("off_no_otel", None))
+#: The no-extra arm's ``sitecustomize``: every ``opentelemetry`` import fails, as uninstalled.
+_NO_OTEL_SITECUSTOMIZE = """\
+import sys
+
+
+class _NoOpenTelemetry:
+    def find_spec(self, name, path=None, target=None):
+        if name == "opentelemetry" or name.startswith("opentelemetry."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoOpenTelemetry())
+"""
 _KEPT_BYTES = 8 * 2**20  # what the picture's sink keeps, at most
 
 
@@ -95,6 +117,15 @@ def otlp_sink() -> Iterator[_Sink]:
         thread.join()
 
 
+@contextmanager
+def no_otel_pythonpath() -> Iterator[str]:
+    """A ``PYTHONPATH`` (this one's, behind a temporary folder holding the no-extra
+    ``sitecustomize``) under which no ``opentelemetry`` module imports, for the block."""
+    with tempfile.TemporaryDirectory(prefix="genrm-no-otel-") as folder:
+        Path(folder, "sitecustomize.py").write_text(_NO_OTEL_SITECUSTOMIZE)
+        yield os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+
+
 def _tracing_sets(url: str, ratio: float | None) -> tuple[tuple[str, str], ...]:
     if ratio is None:
         return ()
@@ -103,9 +134,10 @@ def _tracing_sets(url: str, ratio: float | None) -> tuple[tuple[str, str], ...]:
 
 
 def tracing_case(*, n: int = 8, k: int = 16, judge_ms: float = 0.0, duration_s: float = 8.0,
-                 rounds: int = 2) -> Case:
-    """verifies/s with tracing off, on at 1.0 and on at 0.1 (median of ``rounds`` each), their
-    ratios to off, and one cohort's spans (``notes["timeline"]``) for the plot."""
+                 rounds: int = 3) -> Case:
+    """verifies/s with tracing off, on at 1.0, on at 0.1 and off without the extra (median of
+    ``rounds`` each), the medians of the per-round ratios to off, and one cohort's spans
+    (``notes["timeline"]``) for the plot."""
 
     async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
         if kind != "ours":
@@ -116,10 +148,12 @@ def tracing_case(*, n: int = 8, k: int = 16, judge_ms: float = 0.0, duration_s: 
             raise BenchError("tracing: needs the otel extra: pip install -e '.[otel]'") from exc
         rates: dict[str, list[float]] = {name: [] for name, _ in VARIANTS}
         cpu: dict[str, list[float]] = {name: [] for name, _ in VARIANTS}
-        with otlp_sink() as sink:
+        with otlp_sink() as sink, no_otel_pythonpath() as path:
             for _ in range(rounds):
                 for name, ratio in VARIANTS:
-                    server = ServerSettings(n=n, ours_extra=_tracing_sets(sink.url, ratio))
+                    server = ServerSettings(
+                        n=n, ours_extra=_tracing_sets(sink.url, ratio),
+                        ours_env=(("PYTHONPATH", path),) if name == "off_no_otel" else ())
                     judge = JudgeSettings(latency_ms=judge_ms)
                     async with _rig(ctx, kind, judge, server, f"{tag}-{name}") as rig:
                         bodies = BodyFactory(seed=7, run_tag=rig.run_tag)
@@ -135,8 +169,11 @@ def tracing_case(*, n: int = 8, k: int = 16, judge_ms: float = 0.0, duration_s: 
             metrics[f"verifies_per_s_{name}"] = statistics.median(rates[name])
             metrics[f"cpu_ms_per_cohort_{name}"] = statistics.median(cpu[name])
         for name in ("on_1.0", "on_0.1"):
-            metrics[f"ratio_{name}"] = (metrics[f"verifies_per_s_{name}"]
-                                        / metrics["verifies_per_s_off"])
+            metrics[f"ratio_{name}"] = statistics.median(
+                on / off for on, off in zip(rates[name], rates["off"], strict=True))
+        # Off with the extra installed over off without it (the goal: 1.0x).
+        metrics["ratio_off_over_no_otel"] = statistics.median(
+            off / bare for off, bare in zip(rates["off"], rates["off_no_otel"], strict=True))
         metrics["otlp_requests"] = float(exported)
         samples = {f"verifies_per_s_{name}": values for name, values in rates.items()}
         return RunRecord(metrics, samples, {"timeline": timeline})
