@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import trio.testing
 from genrm_trio import scoring
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.server import cohort as cohort_module
-from genrm_trio.server.judge import Judge, JudgeRequest
+from genrm_trio.server.judge import Judge, JudgeRequest, open_judge
 from tests.lifecycle_helpers import (
     Outcomes,
     answer,
@@ -24,6 +25,9 @@ from tests.lifecycle_helpers import (
     open_registry,
     reference_rewards,
 )
+from tests.test_judge import MaxRng, transport
+from tests.test_judge_routing import URL_A, URL_B
+from tests.test_judge_routing import Endpoints as FakeEndpoints
 
 
 def test_prefix_order_groups_calls_by_response_1_then_response_2_then_pass() -> None:
@@ -142,3 +146,44 @@ async def test_rewards_never_depend_on_issue_order(
     assert await run_cohort(cfg, judge) == expected
     first = judge.started[0]
     assert (first[1], first[2]) != (texts[0], texts[1])  # the order really changed
+
+
+@pytest.mark.parametrize("cohorts", [1, 4])
+async def test_with_many_cohorts_in_flight_each_endpoint_computes_a_conversation_once(
+    autojump_clock: trio.testing.MockClock, cohorts: int,
+) -> None:
+    # The registry tells cohort_affinity how many cohorts are active: with two per endpoint,
+    # no call reaches an endpoint while another call with its conversation, the first there,
+    # is still being computed; with one cohort the free slots are used at once instead.
+    fakes = FakeEndpoints()
+    n = 4
+    cfg = Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
+                 genrm_parse_retry_sleep_s=0.0,
+                 judge=JudgeConfig(base_urls=(URL_A, URL_B), routing="cohort_affinity",
+                                   max_concurrency_per_endpoint=2))
+    async with open_judge(cfg, transport=transport(fakes), rng=MaxRng()) as judge, \
+            open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
+        outcomes = Outcomes(registry, nursery)
+        for c in range(cohorts):
+            for slot in range(n):
+                outcomes.send(f"c{c}m{slot}", member(cfg, slot, group=f"g{c}",
+                                                     prompt=f"Task {c}: why is the sky blue?"))
+    starts: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for started, host, history in fakes.histories:
+        starts[host, history].append(started)
+    # calls that started while the first with their conversation at their endpoint ran
+    overlapping = sum(sum(1 for t in times if t < min(times) + fakes.service_s) - 1
+                      for times in starts.values())
+    assert len(fakes.histories) == cohorts * 6
+    if cohorts == 4:
+        assert overlapping == 0
+    else:
+        assert overlapping > 0  # one cohort: its calls share the free slots at once
+    # 6 calls a cohort on 4 slots of 1 s: as least_loaded takes (one cohort: 2 rounds; four:
+    # 6), or one round more when trio's start order homes three of the four cohorts on one
+    # endpoint (within the spill factor) while the other's spare slot waits for its cohort's
+    # conversation in the first round
+    if cohorts == 1:
+        assert trio.current_time() == 2.0
+    else:
+        assert trio.current_time() in (6.0, 7.0)

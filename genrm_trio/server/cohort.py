@@ -49,7 +49,7 @@ from genrm_trio.config import Config, min_members_present
 from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
-from genrm_trio.server.judge import Affinity, GroupProgress, JudgeRequest
+from genrm_trio.server.judge import Affinity, Crowd, GroupProgress, JudgeRequest
 from genrm_trio.server.tracing import (
     NO_COHORT_TRACE,
     NO_REQUEST_SPAN,
@@ -325,6 +325,8 @@ class CohortRegistry:
         self._judge = judge
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
+        # Cohorts active, as cohort_affinity's endpoint queues read it (judge/endpoints.py).
+        self._crowd = Crowd()
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
         self._duplicate_bytes = 0
@@ -348,6 +350,9 @@ class CohortRegistry:
         self._journal = journal
         # Kept verdicts (server/verdicts.py); None with verdict_reuse: off.
         self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
+        # One warm-up judge call per cohort before the rest (_start_ready_pairs).
+        self._warm_up = (cfg.judge.routing == "cohort_affinity"
+                         and cfg.judge.max_concurrency_per_endpoint is None)
         if journal is not None:
             self._reload(journal)
 
@@ -684,7 +689,9 @@ class CohortRegistry:
         )
         cohort.trace = self._tracer.cohort(identity.describe(key), key.group_id, key.attempt,
                                            cohort.size)
+        cohort.judge_affinity = Affinity(self._crowd)
         self._active[key] = cohort
+        self._crowd.cohorts = len(self._active)
         if key.group_id is not None:
             self._active_by_group.setdefault(key.group_id, {})[key.attempt] = cohort
             self._idle_groups.pop(key.group_id, None)  # active groups are never evicted
@@ -847,14 +854,16 @@ class CohortRegistry:
         """Start every comparison whose members are present and that has no verdict yet, in
         prefix order (calls sharing the longest prefix back to back); a pair with a kept verdict
         (verdict reuse) takes it at once instead of a judge call. With ``judge.routing:
-        cohort_affinity`` the first judge call goes alone, a warm-up: the rest follow once it
-        has ended (:meth:`_judge_one`), so they find its prefix in the engine's cache instead of
-        all computing it at once."""
+        cohort_affinity`` and no ``judge.max_concurrency_per_endpoint`` the first judge call
+        goes alone, a warm-up: the rest follow once it has ended (:meth:`_judge_one`), so they
+        find its prefix in the engine's cache instead of all computing it at once. With
+        per-endpoint slots the endpoint's queue does that, and only while other work can use
+        the slots (server/judge/endpoints.py)."""
         members = cohort.members
         results = cohort.results
         cache = self._verdicts
         now = trio.current_time()
-        warm_up = self._cfg.judge.routing == "cohort_affinity"
+        warm_up = self._warm_up
         for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
             if warm_up and len(cohort.started_pairs) > cohort.reused and not (
                     len(results) > cohort.reused):
@@ -929,8 +938,7 @@ class CohortRegistry:
             cohort.results[pair] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
-            elif (len(cohort.results) - cohort.reused == 1
-                  and self._cfg.judge.routing == "cohort_affinity"):
+            elif len(cohort.results) - cohort.reused == 1 and self._warm_up:
                 self._start_ready_pairs(cohort, nursery)  # the warm-up ended: fan out
 
     def _publish(self, cohort: Cohort) -> None:
@@ -1049,10 +1057,12 @@ class CohortRegistry:
         key = cohort.key
         now = trio.current_time()
         del self._active[key]
+        self._crowd.cohorts = len(self._active)
         self._active_bytes -= cohort.size_bytes
         cohort.members = {}
         cohort.results = {}
         cohort.verdict_prefix = None
+        cohort.judge_affinity.close()
         failure = cohort.failure
         keep = (failure is not None and failure.kind != "shutdown") or (
             failure is None and key.group_id is not None

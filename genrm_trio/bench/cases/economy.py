@@ -53,7 +53,7 @@ class EconomyParams:
 
     n: int = 8
     endpoints: int = 2
-    cohorts: tuple[int, ...] = (1, 8)
+    cohorts: tuple[int, ...] = (1, 4, 8)
     strategies: tuple[str, ...] = ("circular", "all_pairs")
     cache: str = "small"
     capacity: int = 4
