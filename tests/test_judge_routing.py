@@ -213,33 +213,61 @@ async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_oth
                for e in status["endpoints"])
 
 
-async def test_a_freed_slot_goes_to_warm_prefixes_first_and_round_robin_between_cohorts(
+def one_endpoint(slots: int) -> Config:
+    return Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
+                                    max_concurrency_per_endpoint=slots),
+                  genrm_parse_retry_sleep_s=0.0)
+
+
+async def test_a_freed_slot_goes_to_warm_prefixes_first_then_the_older_cohort(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     # One endpoint, one slot, two cohorts active. Each cohort's conversation and answer 0 are
     # warm (one call each first); then, behind a call in flight, the queue holds cohort 0's
     # (5, 6) (a new response_1), (0, 2), (0, 3) and cohort 1's (0, 2), in that order.
     fakes = Endpoints()
-    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
-                                      max_concurrency_per_endpoint=1),
-                    genrm_parse_retry_sleep_s=0.0)
+    config = one_endpoint(1)
     shared = crowd(2)
     groups = [Group(shared), Group(shared)]
     async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
         for g in (0, 1):
             await judge.judge_pair(pair(g, 0, 1), groups[g])
         fakes.calls.clear()
+        fakes.histories.clear()
         async with trio.open_nursery() as nursery:
             for g, i, j in ((0, 0, 7), (0, 5, 6), (0, 0, 2), (0, 0, 3), (1, 0, 2)):
                 nursery.start_soon(judge.judge_pair, pair(g, i, j), groups[g])
                 await trio.testing.wait_all_tasks_blocked()
-    order = [(r1, r2) for _, _, r1, r2 in fakes.calls]
-    # warm before cold, and the cohort served longest ago first: cohort 1's call goes before
-    # cohort 0's warm ones, and cohort 0's new answer 5 goes last
-    assert order == [("answer 0", "answer 7"), ("answer 0", "answer 2"),
-                     ("answer 0", "answer 2"), ("answer 0", "answer 3"),
-                     ("answer 5", "answer 6")]
+    order = [(history[22], r1, r2) for (_, _, r1, r2), (_, _, history)
+             in zip(fakes.calls, fakes.histories, strict=True)]
+    # warm before cold, in queue order: cohort 0's warm calls, cohort 1's, and last cohort
+    # 0's new answer 5 (issued before them all)
+    assert order == [("0", "answer 0", "answer 7"), ("0", "answer 0", "answer 2"),
+                     ("0", "answer 0", "answer 3"), ("1", "answer 0", "answer 2"),
+                     ("0", "answer 5", "answer 6")]
     assert [t for t, *_ in fakes.calls] == [2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+async def test_a_cohort_left_waiting_past_the_starved_grants_goes_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # One slot. Cohort 1 is warm (served at grant 1), then cohort 0 (grant 2) runs one call
+    # and queues ten warm ones ahead of cohort 1's: after 8 more grants cohort 1 has waited
+    # past STARVED_GRANTS and goes next, before cohort 0's last three.
+    fakes = Endpoints()
+    config = one_endpoint(1)
+    shared = crowd(2)
+    groups = [Group(shared), Group(shared)]
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        for g in (1, 0):
+            await judge.judge_pair(pair(g, 0, 1), groups[g])
+        fakes.histories.clear()
+        async with trio.open_nursery() as nursery:
+            for g, j in [(0, 20)] + [(0, j) for j in range(2, 12)] + [(1, 2)]:
+                nursery.start_soon(judge.judge_pair, pair(g, 0, j), groups[g])
+                await trio.testing.wait_all_tasks_blocked()
+    cohorts = [history_of(1) == history for _, _, history in fakes.histories]
+    assert cohorts.index(True) == 8 and cohorts.count(True) == 1
 
 
 async def test_max_concurrency_per_endpoint_holds_under_affinity(

@@ -31,14 +31,16 @@ would make the engine compute (:meth:`Endpoints._pick`), from what this process 
 cohort's prefixes there (:class:`Affinity`: *warm* once a call with it was answered there,
 *computing* while the first such call is in flight): first calls whose conversation and
 ``response_1`` are warm, then calls that compute a new ``response_1`` on a warm conversation,
-then calls that open a cohort there; within each, the cohort served longest ago first (so no
-active cohort's prefix ages out of a small cache while others are served), then queue order
-(a cohort's prefix order). A call that would compute again a prefix a call in flight is
-computing is a *duplicate*: when the registry holds at least two cohorts per endpoint
-(:class:`Crowd`), it waits for that call even while a slot is free (other cohorts' calls take
-the slot meanwhile), so each prefix is computed once; with fewer cohorts it takes the free
-slot, as nothing else would. The engine may still have evicted a warm prefix; it is a hint,
-never a correctness matter (rewards never depend on issue order).
+then calls that open a cohort there; within each, a cohort the endpoint has not served for
+:data:`STARVED_GRANTS` grants per slot first (so an open cohort's prefix does not age out of a
+small cache while older ones are served), then queue order (older cohorts first, a cohort's
+calls in prefix order: consecutive calls share the most, which is what an engine with one
+cached prompt per slot, like llama.cpp's, needs). A call that would compute again a prefix a
+call in flight is computing is a *duplicate*: when the registry holds at least two cohorts per
+endpoint (:class:`Crowd`), it waits for that call even while a slot is free (other cohorts'
+calls take the slot meanwhile), so each prefix is computed once; with fewer cohorts it takes
+the free slot, as nothing else would. The engine may still have evicted a warm prefix; it is a
+hint, never a correctness matter (rewards never depend on issue order).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Endpoint:
         "limit",
         "used",
         "queue",
+        "grants",
     )
 
     def __init__(self, url: str, max_concurrency: int | None = None,
@@ -118,6 +121,7 @@ class Endpoint:
             else None
         self.used = 0
         self.queue: deque[SlotWaiter] = deque()
+        self.grants = 0  # slots handed out under cohort_affinity
         self.outstanding_tokens = 0  # estimated prompt tokens of calls waiting or in flight
         self.waiting = 0
         self.input_tokens = 0
@@ -157,7 +161,7 @@ class Affinity:
     """A group's home endpoint under ``cohort_affinity`` (None until its first comparison is
     issued), and which of its prompt prefixes each endpoint has computed (``warm``: a call
     with that prefix was answered there) or is computing (``computing``: calls in flight that
-    found it cold), and when each endpoint last gave it a slot (``served``, in grants). Owned
+    found it cold), and when each endpoint last gave it a slot (``served``, its grant count). Owned
     by the group (a cohort holds one as ``judge_affinity``); at most endpoints x (N + 1) keys.
     """
 
@@ -201,6 +205,11 @@ class Affinity:
 #: :meth:`Affinity.tier` of a call that would compute a prefix another call is computing.
 DUPLICATE = 3
 
+#: A group that an endpoint has served but not for this many grants per slot goes first among
+#: calls of its tier: its prefixes would otherwise age out of the engine's cache while older
+#: groups are served (a 16k-token cache holds about 8 x 4 calls' new blocks).
+STARVED_GRANTS = 8
+
 
 class Lease:
     """One slot taken by :meth:`Endpoints.acquire`: give it back with :meth:`Endpoints.release`.
@@ -236,11 +245,14 @@ class SlotWaiter:
         self.lease: Lease | None = None  # set when granted
 
     def rank(self, endpoint: Endpoint) -> tuple[int, int]:
-        """(tier, when ``endpoint`` last served this call's group): lower goes first."""
+        """(tier, 0 if this call's group waits past :data:`STARVED_GRANTS` there else 1):
+        lower goes first (then queue order)."""
         if self.affinity is None:
-            return (1, -1)
-        return (self.affinity.tier(endpoint, self.prefix),
-                self.affinity.served.get(endpoint, -1))
+            return (1, 1)
+        served = self.affinity.served.get(endpoint)
+        starved = served is not None and (
+            endpoint.grants - served > STARVED_GRANTS * (endpoint.limit or 1))
+        return (self.affinity.tier(endpoint, self.prefix), 0 if starved else 1)
 
 
 class Endpoints:
@@ -252,7 +264,6 @@ class Endpoints:
         self.affinity = cfg.judge.routing == "cohort_affinity"
         self._factor = cfg.judge.affinity_spill_factor
         self.all = [Endpoint(u, limit, own_slots=self.affinity) for u in urls]
-        self._grants = 0
 
     # -- cohort_affinity ------------------------------------------------------------------
 
@@ -330,9 +341,9 @@ class Endpoints:
     def _lease(self, endpoint: Endpoint, tokens: int, affinity: Affinity | None,
                prefix: str | None) -> Lease:
         keys: tuple[PrefixKey, ...] = ()
+        endpoint.grants += 1
         if affinity is not None and not affinity.closed:
-            self._grants += 1
-            affinity.served[endpoint] = self._grants
+            affinity.served[endpoint] = endpoint.grants
             keys = affinity.keys(endpoint, prefix)
             for key in keys:
                 affinity.computing[key] = affinity.computing.get(key, 0) + 1
