@@ -353,6 +353,7 @@ class CohortRegistry:
         # One warm-up judge call per cohort before the rest (_start_ready_pairs).
         self._warm_up = (cfg.judge.routing == "cohort_affinity"
                          and cfg.judge.max_concurrency_per_endpoint is None)
+        self._crowded_at = 2 * max(1, len(cfg.judge.base_urls))  # as judge/endpoints.py's
         if journal is not None:
             self._reload(journal)
 
@@ -854,16 +855,18 @@ class CohortRegistry:
         """Start every comparison whose members are present and that has no verdict yet, in
         prefix order (calls sharing the longest prefix back to back); a pair with a kept verdict
         (verdict reuse) takes it at once instead of a judge call. With ``judge.routing:
-        cohort_affinity`` and no ``judge.max_concurrency_per_endpoint`` the first judge call
-        goes alone, a warm-up: the rest follow once it has ended (:meth:`_judge_one`), so they
-        find its prefix in the engine's cache instead of all computing it at once. With
-        per-endpoint slots the endpoint's queue does that, and only while other work can use
-        the slots (server/judge/endpoints.py)."""
+        cohort_affinity``, no ``judge.max_concurrency_per_endpoint`` and at least two active
+        cohorts per judge endpoint, the first judge call goes alone, a warm-up: the rest follow
+        once it has ended (:meth:`_judge_one`), so they find its prefix in the engine's cache
+        instead of all computing it at once (with fewer cohorts nothing else would use the
+        judges meanwhile). With per-endpoint slots the endpoint's queue does that
+        (server/judge/endpoints.py)."""
         members = cohort.members
         results = cohort.results
         cache = self._verdicts
         now = trio.current_time()
-        warm_up = self._warm_up
+        # The warm-up pays only while other cohorts' calls keep the judges busy meanwhile.
+        warm_up = self._warm_up and len(self._active) >= self._crowded_at
         for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
             if warm_up and len(cohort.started_pairs) > cohort.reused and not (
                     len(results) > cohort.reused):
@@ -938,7 +941,8 @@ class CohortRegistry:
             cohort.results[pair] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
-            elif len(cohort.results) - cohort.reused == 1 and self._warm_up:
+            elif (len(cohort.results) - cohort.reused == 1 and self._warm_up
+                  and len(cohort.started_pairs) - cohort.reused == 1):
                 self._start_ready_pairs(cohort, nursery)  # the warm-up ended: fan out
 
     def _publish(self, cohort: Cohort) -> None:
