@@ -76,9 +76,12 @@ class Backend:
 
 
 def config(routing: str, schedule: str = "wait_for_all", n: int = 5, **top: Any) -> Config:
+    # One judge URL (the tests' judges answer in process): cohort_affinity applies to judge
+    # endpoints only.
     return Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
                   judge_schedule=schedule,  # type: ignore[arg-type]
-                  judge=JudgeConfig(routing=routing), **top)  # type: ignore[arg-type]
+                  judge=JudgeConfig(routing=routing,  # type: ignore[arg-type]
+                                    base_urls=("http://judge.test",)), **top)
 
 
 async def run_cohort(cfg: Config, judge: Any) -> list[float]:

@@ -351,9 +351,10 @@ class CohortRegistry:
         # Kept verdicts (server/verdicts.py); None with verdict_reuse: off.
         self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
         # One warm-up judge call per cohort before the rest (_start_ready_pairs).
-        self._warm_up = (cfg.judge.routing == "cohort_affinity"
+        # (Only for judge endpoints: the built-in judge and plugins have no prefix cache here.)
+        self._warm_up = (cfg.judge.routing == "cohort_affinity" and bool(cfg.judge.base_urls)
                          and cfg.judge.max_concurrency_per_endpoint is None)
-        self._crowded_at = 2 * max(1, len(cfg.judge.base_urls))  # as judge/endpoints.py's
+        self._crowded_at = 2 * len(cfg.judge.base_urls)  # as judge/endpoints.py's crowd
         if journal is not None:
             self._reload(journal)
 
