@@ -335,7 +335,8 @@ class Endpoints:
                 waiter.endpoint.waiting -= 1
                 waiter.endpoint.outstanding_tokens -= tokens
             raise
-        assert waiter.lease is not None
+        if waiter.lease is None:  # set with the event, by _grant
+            raise RuntimeError("slot waiter woken without a lease")
         return waiter.lease
 
     def _lease(self, endpoint: Endpoint, tokens: int, affinity: Affinity | None,
@@ -351,9 +352,10 @@ class Endpoints:
 
     def release(self, lease: Lease, computed: bool) -> None:
         """Give back a slot taken by :meth:`acquire` (``computed``: the judge answered, so its
-        prompt's prefixes are in that engine's cache now): to a waiting call of the endpoint
-        (:meth:`_pick`), else to the first waiting call of the most loaded ready endpoint over
-        the spill bound, else free. Synchronous."""
+        prompt's prefixes are in that engine's cache now): free slots go to waiting calls of
+        the endpoint (:meth:`_pick`), else to waiting calls of the most loaded other endpoint
+        that is cooling, past the spill bound or (few cohorts) holding any, else stay free.
+        Synchronous."""
         endpoint = lease.endpoint
         affinity = lease.affinity
         if affinity is not None and not affinity.closed:
@@ -402,7 +404,8 @@ class Endpoints:
         that avoids ``endpoint``) the waiting call a free slot of ``endpoint`` goes to: the
         lowest :meth:`SlotWaiter.rank` among the first :data:`PICK_WINDOW`, first in queue
         order on ties. None when nothing may go: the queue is empty, or every candidate is
-        a duplicate that waits (:meth:`_defers`; beyond the window, the first goes)."""
+        a duplicate that waits (:meth:`_defers`; with more than the window waiting, even a
+        duplicate goes)."""
         if not queue:
             return None
         best, best_rank = 0, (DUPLICATE + 1, 0)
