@@ -139,7 +139,7 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     prompt_template_file: str | None = None
     structured_output: Literal["none", "json_schema", "json_object"] = "none"
     seed: Literal["none", "content"] = "none"
-    routing: Literal["least_loaded", "cohort_affinity"] = "least_loaded"
+    routing: Literal["least_loaded", "cohort_affinity"] = "cohort_affinity"
     affinity_spill_factor: float = 1.5
 
     def __post_init__(self) -> None:

@@ -989,7 +989,7 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                 }
                 for u in (URL_A, URL_B)
             ],
-            "routing": "least_loaded",
+            "routing": "cohort_affinity",
         }
 
 

@@ -15,7 +15,7 @@ import trio.testing
 
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.errors import ConfigError
-from genrm_trio.server.judge import Affinity, JudgeRequest, open_judge
+from genrm_trio.server.judge import Affinity, Crowd, JudgeRequest, open_judge
 from tests.test_judge import MaxRng, responses_ok, transport
 
 URL_A = "http://judge-a.test"
@@ -23,13 +23,20 @@ URL_B = "http://judge-b.test"
 
 
 class Group:
-    """What the judge reads of a cohort: its rank fields and its home endpoint slot."""
+    """What the judge reads of a cohort: its rank fields and its home endpoint slot (with the
+    registry's count of active cohorts, ``crowd``, when given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, crowd: Crowd | None = None) -> None:
         self.opened_at = 0.0
         self.comparisons_left = 1
         self.collected_at: float | None = 0.0
-        self.judge_affinity = Affinity()
+        self.judge_affinity = Affinity(crowd)
+
+
+def crowd(cohorts: int) -> Crowd:
+    made = Crowd()
+    made.cohorts = cohorts
+    return made
 
 
 class Endpoints:
@@ -44,6 +51,9 @@ class Endpoints:
         self.now: Counter[str] = Counter()
         self.peak: Counter[str] = Counter()
         self.started: dict[str, list[float]] = defaultdict(list)
+        # (start time, host, response_1, response_2) of every call that reached a judge
+        self.calls: list[tuple[float, str, str, str]] = []
+        self.histories: list[tuple[float, str, str]] = []  # (start time, host, conversation)
 
     async def __call__(self, request: httpx2.Request) -> httpx2.Response:
         host = request.url.host
@@ -56,6 +66,11 @@ class Endpoints:
         self.now[host] += 1
         self.peak[host] = max(self.peak[host], self.now[host])
         self.started[host].append(trio.current_time())
+        roles = {m["role"]: m["content"] for m in body["input"]}
+        roles.update(body.get("metadata") or {})  # where genrm_roles puts them for Responses
+        self.histories.append((trio.current_time(), host, body["input"][0]["content"]))
+        self.calls.append((trio.current_time(), host, roles.get("response_1", ""),
+                           roles.get("response_2", "")))
         try:
             await trio.sleep(self.service_s)
         finally:
@@ -120,23 +135,139 @@ async def test_affinity_keeps_each_cohort_on_one_endpoint_chosen_by_outstanding_
 @pytest.mark.parametrize(("factor", "hosts", "makespan"), [
     # never past 16 x the mean: every call waits for judge-a's two slots (4 rounds of 1 s)
     (16.0, {"judge-a.test"}, 4.0),
-    # past the mean: calls 3 and 4 spill to judge-b's free slots, the rest wait at judge-a;
-    # judge-b's freed slots take two of them (judge-a is still over the mean): 2 rounds
-    (1.0, {"judge-a.test", "judge-b.test"}, 2.0),
+    # past the mean: call 3 spills to judge-b, which computes the conversation once while the
+    # rest wait at judge-a (another cohort would take judge-b's second slot meanwhile); then
+    # judge-b's freed slots take two of judge-a's queue (still over the mean): 3 rounds
+    (1.0, {"judge-a.test", "judge-b.test"}, 3.0),
 ])
-async def test_a_full_home_spills_past_the_factor_and_idle_slots_take_its_queue(
+async def test_with_many_cohorts_a_full_home_spills_past_the_factor_and_idle_slots_take_its_queue(
     autojump_clock: trio.testing.MockClock, factor: float, hosts: set[str],
     makespan: float,
 ) -> None:
     fakes = Endpoints()
     config = cfg("cohort_affinity", affinity_spill_factor=factor,
                  max_concurrency_per_endpoint=2)
-    started = trio.current_time()
-    _, status = await judge_groups(config, fakes, groups=1, calls=8)
-    assert trio.current_time() - started == makespan
+    group = Group(crowd(4))  # two cohorts per endpoint: the spill factor bounds affinity
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        await judge.judge_pair(request(0, 100), group)  # its conversation is warm at judge-a
+        fakes.hosts.clear()
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for k in range(8):  # each with its own response_1: nothing computed twice
+                nursery.start_soon(judge.judge_pair, request(0, k), group)
+        assert trio.current_time() - started == makespan
+        status = judge.status()
     assert set(fakes.hosts) == hosts
     assert max(fakes.peak.values()) <= 2  # max_concurrency_per_endpoint holds
     assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 for e in status["endpoints"])
+
+
+async def test_with_few_cohorts_a_full_home_spills_to_any_free_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # One cohort (no registry crowd): no other cohort would take judge-b's slots, so calls
+    # that find judge-a full go there, and its freed slots take judge-a's queue, whatever
+    # the factor: 2 rounds of 1 s, as least_loaded would take.
+    fakes = Endpoints()
+    config = cfg("cohort_affinity", affinity_spill_factor=16.0,
+                 max_concurrency_per_endpoint=2)
+    started = trio.current_time()
+    _, status = await judge_groups(config, fakes, groups=1, calls=8)
+    assert trio.current_time() - started == 2.0
+    assert Counter(fakes.hosts) == {"judge-a.test": 4, "judge-b.test": 4}
+    assert max(fakes.peak.values()) <= 2
+    assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 for e in status["endpoints"])
+
+
+def pair(group: int, i: int, j: int) -> JudgeRequest:
+    history = [{"role": "user", "content": f"conversation of group {group} " * 20}]
+    return JudgeRequest(history=history, response_1=f"answer {i}", response_2=f"answer {j}")
+
+
+@pytest.mark.parametrize(("cohorts", "starts"), [
+    # two cohorts per endpoint active: (0, 2), (0, 3) wait for (0, 1) to compute the
+    # conversation and answer 0, (1, 3) for (1, 2) to compute answer 1; slots stay free
+    # meanwhile (other cohorts' calls would take them)
+    (4, [0.0, 1.0, 1.0, 1.0, 2.0]),
+    # one cohort: nothing else would use the free slots, so every call goes at once
+    (1, [0.0, 0.0, 0.0, 0.0, 0.0]),
+])
+async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_other_calls_go(
+    autojump_clock: trio.testing.MockClock, cohorts: int, starts: list[float],
+) -> None:
+    fakes = Endpoints()
+    config = cfg("cohort_affinity", affinity_spill_factor=16.0,
+                 max_concurrency_per_endpoint=5)
+    group = Group(crowd(cohorts))
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        async with trio.open_nursery() as nursery:
+            for i, j in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3)):
+                nursery.start_soon(judge.judge_pair, pair(0, i, j), group)
+                await trio.testing.wait_all_tasks_blocked()  # issued in this order
+        status = judge.status()
+    by_pair = {(r1, r2): t for t, _, r1, r2 in fakes.calls}
+    assert [by_pair[f"answer {i}", f"answer {j}"] for i, j in
+            ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))] == starts
+    assert set(fakes.hosts) == {"judge-a.test"}
+    assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 and e["in_flight"] == 0
+               for e in status["endpoints"])
+
+
+def one_endpoint(slots: int) -> Config:
+    return Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
+                                    max_concurrency_per_endpoint=slots),
+                  genrm_parse_retry_sleep_s=0.0)
+
+
+async def test_a_freed_slot_goes_to_warm_prefixes_first_then_the_older_cohort(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # One endpoint, one slot, two cohorts active. Each cohort's conversation and answer 0 are
+    # warm (one call each first); then, behind a call in flight, the queue holds cohort 0's
+    # (5, 6) (a new response_1), (0, 2), (0, 3) and cohort 1's (0, 2), in that order.
+    fakes = Endpoints()
+    config = one_endpoint(1)
+    shared = crowd(2)
+    groups = [Group(shared), Group(shared)]
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        for g in (0, 1):
+            await judge.judge_pair(pair(g, 0, 1), groups[g])
+        fakes.calls.clear()
+        fakes.histories.clear()
+        async with trio.open_nursery() as nursery:
+            for g, i, j in ((0, 0, 7), (0, 5, 6), (0, 0, 2), (0, 0, 3), (1, 0, 2)):
+                nursery.start_soon(judge.judge_pair, pair(g, i, j), groups[g])
+                await trio.testing.wait_all_tasks_blocked()
+    order = [(history[22], r1, r2) for (_, _, r1, r2), (_, _, history)
+             in zip(fakes.calls, fakes.histories, strict=True)]
+    # warm before cold, in queue order: cohort 0's warm calls, cohort 1's, and last cohort
+    # 0's new answer 5 (issued before them all)
+    assert order == [("0", "answer 0", "answer 7"), ("0", "answer 0", "answer 2"),
+                     ("0", "answer 0", "answer 3"), ("1", "answer 0", "answer 2"),
+                     ("0", "answer 5", "answer 6")]
+    assert [t for t, *_ in fakes.calls] == [2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+async def test_a_cohort_left_waiting_past_the_starved_grants_goes_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # One slot. Cohort 1 is warm (served at grant 1), then cohort 0 (grant 2) runs one call
+    # and queues ten warm ones ahead of cohort 1's: after 8 more grants cohort 1 has waited
+    # past STARVED_GRANTS and goes next, before cohort 0's last three.
+    fakes = Endpoints()
+    config = one_endpoint(1)
+    shared = crowd(2)
+    groups = [Group(shared), Group(shared)]
+    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        for g in (1, 0):
+            await judge.judge_pair(pair(g, 0, 1), groups[g])
+        fakes.histories.clear()
+        async with trio.open_nursery() as nursery:
+            for g, j in [(0, 20)] + [(0, j) for j in range(2, 12)] + [(1, 2)]:
+                nursery.start_soon(judge.judge_pair, pair(g, 0, j), groups[g])
+                await trio.testing.wait_all_tasks_blocked()
+    cohorts = [history_of(1) == history for _, _, history in fakes.histories]
+    assert cohorts.index(True) == 8 and cohorts.count(True) == 1
 
 
 async def test_max_concurrency_per_endpoint_holds_under_affinity(
@@ -181,7 +312,7 @@ async def test_a_cancelled_waiter_leaves_no_outstanding_tokens(
 ) -> None:
     fakes = Endpoints(service_s=10.0)
     config = cfg("cohort_affinity", max_concurrency_per_endpoint=1, affinity_spill_factor=16.0)
-    group = Group()
+    group = Group(crowd(4))  # crowded: the spill factor keeps every call at judge-a
     async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
         with trio.move_on_after(1.0):
             async with trio.open_nursery() as nursery:

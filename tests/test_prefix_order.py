@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import trio.testing
 from genrm_trio import scoring
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.server import cohort as cohort_module
-from genrm_trio.server.judge import Judge, JudgeRequest
+from genrm_trio.server.judge import Judge, JudgeRequest, open_judge
 from tests.lifecycle_helpers import (
     Outcomes,
     answer,
@@ -24,6 +25,9 @@ from tests.lifecycle_helpers import (
     open_registry,
     reference_rewards,
 )
+from tests.test_judge import MaxRng, transport
+from tests.test_judge_routing import URL_A, URL_B
+from tests.test_judge_routing import Endpoints as FakeEndpoints
 
 
 def test_prefix_order_groups_calls_by_response_1_then_response_2_then_pass() -> None:
@@ -42,10 +46,12 @@ class TimedJudge:
 
     def __init__(self) -> None:
         self.started: list[tuple[float, str, str]] = []
+        self.conversations: list[str] = []  # of each started call, in the same order
 
     async def judge_pair(self, request: JudgeRequest, group: object = None,
                          trace: object = None) -> scoring.Verdict:
         self.started.append((trio.current_time(), request.response_1, request.response_2))
+        self.conversations.append(request.history[0]["content"])
         digest = hashlib.sha256((request.response_1 + request.response_2).encode()).digest()
         await trio.sleep(1.0 + digest[0] / 64)
         return heuristic_verdict(request)
@@ -70,9 +76,12 @@ class Backend:
 
 
 def config(routing: str, schedule: str = "wait_for_all", n: int = 5, **top: Any) -> Config:
+    # One judge URL (the tests' judges answer in process): cohort_affinity applies to judge
+    # endpoints only.
     return Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
                   judge_schedule=schedule,  # type: ignore[arg-type]
-                  judge=JudgeConfig(routing=routing), **top)  # type: ignore[arg-type]
+                  judge=JudgeConfig(routing=routing,  # type: ignore[arg-type]
+                                    base_urls=("http://judge.test",)), **top)
 
 
 async def run_cohort(cfg: Config, judge: Any) -> list[float]:
@@ -85,15 +94,35 @@ async def run_cohort(cfg: Config, judge: Any) -> list[float]:
 
 
 @pytest.mark.parametrize("schedule", ["wait_for_all", "eager"])
-async def test_affinity_sends_one_warm_up_call_then_the_rest_grouped_by_response_1(
+async def test_with_two_cohorts_per_judge_affinity_sends_one_warm_up_call_then_the_rest(
     autojump_clock: trio.testing.MockClock, schedule: str,
 ) -> None:
+    # No judge.max_concurrency_per_endpoint: the warm-up is the cohort's own, and pays only
+    # while another cohort keeps the judge busy (one judge here: two cohorts).
     cfg = config("cohort_affinity", schedule)
     judge = TimedJudge()
-    await run_cohort(cfg, judge)
-    first, *rest = judge.started
-    assert all(t > first[0] for t, _, _ in rest)  # the warm-up ran alone
-    assert len({t for t, _, _ in rest}) == 1  # then everything else fanned out at once
+    n = cfg.num_rollouts_per_prompt
+    async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
+        outcomes = Outcomes(registry, nursery)
+        for slot in range(n):
+            for c in range(2):
+                outcomes.send(f"c{c}m{slot}", member(cfg, slot, group=f"g{c}",
+                                                     prompt=f"Task {c}: why is the sky blue?"))
+    for c in range(2):
+        times = [t for (t, _, _), conversation in zip(judge.started, judge.conversations,
+                                                      strict=True)
+                 if conversation.startswith(f"Task {c}")]
+        first, *rest = times
+        assert len(times) == 10 and all(t > first for t in rest)  # the warm-up ran alone
+        assert len(set(rest)) == 1  # then everything else fanned out at once
+
+
+async def test_one_cohort_alone_sends_every_call_at_once_under_affinity(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    judge = TimedJudge()
+    await run_cohort(config("cohort_affinity"), judge)
+    assert len({t for t, _, _ in judge.started}) == 1 and len(judge.started) == 10
 
 
 
@@ -109,10 +138,10 @@ async def test_waiting_calls_of_a_cohort_start_in_prefix_order(
     expected = [(texts[i], texts[j])
                 for i, j, _ in (pairs[k] for k in scoring.prefix_order(pairs))]
     started = [(r1, r2) for _, r1, r2 in judge.started]
-    assert started[0] == expected[0]  # the warm-up
-    # the first fanned-out call takes the free slot at once (whichever task trio runs first);
-    # every other one waited in the queue, which hands slots out in prefix order
-    assert started[2:] == [p for p in expected[1:] if p != started[1]]
+    # one cohort: no warm-up; the first call takes the free slot at once (whichever task
+    # trio runs first); every other one waited in the queue, which hands slots out in
+    # prefix order
+    assert started[1:] == [p for p in expected if p != started[0]]
 
 
 async def test_least_loaded_fans_out_at_once(autojump_clock: trio.testing.MockClock) -> None:
@@ -138,7 +167,57 @@ async def test_rewards_never_depend_on_issue_order(
         return indices[1::2] + indices[::2]
 
     monkeypatch.setattr(cohort_module.scoring, "prefix_order", other)
+    # One judge slot: calls start in issue order (after whichever trio runs first).
+    one = config("cohort_affinity", judge_max_concurrency=1)
     judge = TimedJudge()
-    assert await run_cohort(cfg, judge) == expected
-    first = judge.started[0]
-    assert (first[1], first[2]) != (texts[0], texts[1])  # the order really changed
+    assert await run_cohort(one, Judge(one, Backend(judge), None, random.Random(0))) == expected
+    pairs = scoring.comparison_pairs(cfg.num_rollouts_per_prompt, "all_pairs", 1)
+    issued = [(texts[pairs[k][0]], texts[pairs[k][1]]) for k in other(pairs)]
+    started = [(r1, r2) for _, r1, r2 in judge.started]
+    assert started[1:] == [p for p in issued if p != started[0]]  # the order really changed
+    assert issued != sorted(issued, key=lambda p: (texts.index(p[0]), texts.index(p[1])))
+
+
+@pytest.mark.parametrize("cohorts", [1, 4])
+async def test_with_many_cohorts_in_flight_each_endpoint_computes_a_conversation_once(
+    autojump_clock: trio.testing.MockClock, cohorts: int,
+) -> None:
+    # The registry tells cohort_affinity how many cohorts are active: with two per endpoint,
+    # no call reaches an endpoint while another call with its conversation, the first there,
+    # is still being computed; with one cohort the free slots are used at once instead.
+    fakes = FakeEndpoints()
+    n = 4
+    cfg = Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
+                 genrm_parse_retry_sleep_s=0.0,
+                 judge=JudgeConfig(base_urls=(URL_A, URL_B), routing="cohort_affinity",
+                                   max_concurrency_per_endpoint=2))
+    async with open_judge(cfg, transport=transport(fakes), rng=MaxRng()) as judge, \
+            open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
+        outcomes = Outcomes(registry, nursery)
+        for c in range(cohorts):
+            for slot in range(n):
+                outcomes.send(f"c{c}m{slot}", member(cfg, slot, group=f"g{c}",
+                                                     prompt=f"Task {c}: why is the sky blue?"))
+    starts: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for started, host, history in fakes.histories:
+        starts[host, history].append(started)
+    # start times of the calls that started while the first with their conversation at
+    # their endpoint was still running
+    overlapping = [t for times in starts.values() for t in sorted(times)[1:]
+                   if t < min(times) + fakes.service_s]
+    assert len(fakes.histories) == cohorts * 6
+    if cohorts == 4:
+        # none while four cohorts were active; once one is done (three left: fewer than two
+        # per endpoint) a call may take a free slot rather than wait
+        first_done = min(t for t, _ in outcomes.results.values())
+        assert all(t >= first_done for t in overlapping), (overlapping, first_done)
+    else:
+        assert overlapping  # one cohort: its calls share the free slots at once
+    # 6 calls a cohort on 4 slots of 1 s: as least_loaded takes (one cohort: 2 rounds; four:
+    # 6), or one round more when trio's start order homes three of the four cohorts on one
+    # endpoint (within the spill factor) while the other's spare slot waits for its cohort's
+    # conversation in the first round
+    if cohorts == 1:
+        assert trio.current_time() == 2.0
+    else:
+        assert trio.current_time() in (6.0, 7.0)

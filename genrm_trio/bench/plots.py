@@ -148,6 +148,10 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
         axes[-1, 0].set_xlabel("minutes since the load started")
         save(fig, "soak_rss.png")
 
+    economy = [r for r in results if r.preset == "economy" and r.median.get("ours")]
+    if economy:
+        _plot_economy(plt, economy, save)
+
     timelines = [run.notes["timeline"] for r in results if r.preset == "tracing"
                  for run in r.runs.get("ours", []) if run.notes.get("timeline")]
     if timelines:
@@ -264,3 +268,56 @@ def _plot_soak_rss(ax: Any, result: CaseResult, run: RunRecord) -> None:
     ax.set_ylabel("MB")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
+
+
+_ROUTING_COLORS = {"least_loaded": "tab:orange", "cohort_affinity": "tab:blue"}
+
+
+def _plot_economy(plt: Any, cases: Sequence[CaseResult], save: Callable[[Any, str], None]) -> None:
+    """``economy.png``: per strategy, computed prompt tokens (and the analytic minimum), judge
+    makespan and group latency p99 against cohorts in flight, per routing; and the judge calls
+    of the replacement attempts against the comparisons touching a changed answer."""
+    strategies = sorted({str(r.params["strategy"]) for r in cases})
+    fig, axes = plt.subplots(len(strategies), 4, figsize=(17, 3.6 * len(strategies)),
+                             squeeze=False)
+    for row, strategy in zip(axes, strategies, strict=True):
+        mine = sorted((r for r in cases if r.params["strategy"] == strategy),
+                      key=lambda r: int(r.params["k"]))
+        ks = [int(r.params["k"]) for r in mine]
+
+        def series(name: str, rs: list[CaseResult] = mine) -> list[float]:
+            return [r.median["ours"].get(name, math.nan) for r in rs]
+
+        for ax, metric, ylabel in ((row[0], "computed_tokens", "computed prompt tokens"),
+                                   (row[1], "makespan_s", "judge makespan (s)"),
+                                   (row[2], "group_p99_s", "group latency p99 (s)")):
+            for routing, color in _ROUTING_COLORS.items():
+                ax.plot(ks, series(f"{routing}:{metric}"), marker="o", color=color,
+                        label=routing)
+            if metric == "computed_tokens":
+                ax.plot(ks, series("cohort_affinity:minimum_tokens"), "k--",
+                        label="analytic minimum")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("cohorts in flight (K)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{strategy}: {ylabel}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        widest = mine[-1]
+        changed = [0, 1, 2]
+        ax = row[3]
+        for offset, (name, color, label) in enumerate((
+                ("judge_calls", "tab:blue", "judge calls"),
+                ("touching_calls", "tab:gray", "comparisons touching a change"))):
+            ax.bar([c + 0.38 * offset for c in changed],
+                   [widest.median["ours"].get(f"cohort_affinity:replace{c}:{name}", math.nan)
+                    for c in changed], width=0.36, color=color, label=label)
+        ax.axhline(widest.median["ours"].get("cohort_affinity:judge_calls", math.nan),
+                   color="k", ls=":", label="a fresh step's calls")
+        ax.set_xticks([c + 0.19 for c in changed], [str(c) for c in changed])
+        ax.set_xlabel("answers of 8 changed in the replacement attempt")
+        ax.set_ylabel("judge calls")
+        ax.set_title(f"{strategy}, K={widest.params['k']}: replacement attempts", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    save(fig, "economy.png")

@@ -105,11 +105,16 @@ NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing"})
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "economy": tuple(
-        f"{routing}:{name}" for name in ("verifies_per_s", "makespan_s", "computed_tokens",
-                                         "over_minimum", "cached_fraction", "judge_busy_s",
+        f"{routing}:{name}" for name in ("makespan_s", "group_p50_s", "group_p99_s",
+                                         "judge_calls", "computed_tokens", "over_minimum",
+                                         "cached_fraction", "judge_busy_s",
                                          "load_max_over_mean")
         for routing in ("least_loaded", "cohort_affinity")
-    ) + ("computed_ratio", "makespan_ratio", "rewards_equal"),
+    ) + tuple(
+        f"cohort_affinity:replace{k}:{name}" for k in (0, 1, 2)
+        for name in ("judge_calls", "touching_calls", "computed_tokens", "minimum_tokens")
+    ) + ("computed_ratio", "makespan_ratio", "rewards_equal",
+         "cohort_affinity:replacements_equal_fresh", "least_loaded:replacements_equal_fresh"),
     "tracing": (
         "verifies_per_s_off",
         "verifies_per_s_on_1.0",

@@ -49,7 +49,7 @@ from genrm_trio.config import Config, min_members_present
 from genrm_trio.errors import GenRMError, JudgeFailed
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
-from genrm_trio.server.judge import Affinity, GroupProgress, JudgeRequest
+from genrm_trio.server.judge import Affinity, Crowd, GroupProgress, JudgeRequest
 from genrm_trio.server.tracing import (
     NO_COHORT_TRACE,
     NO_REQUEST_SPAN,
@@ -325,6 +325,8 @@ class CohortRegistry:
         self._judge = judge
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
+        # Cohorts active, as cohort_affinity's endpoint queues read it (judge/endpoints.py).
+        self._crowd = Crowd()
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
         self._duplicate_bytes = 0
@@ -348,6 +350,11 @@ class CohortRegistry:
         self._journal = journal
         # Kept verdicts (server/verdicts.py); None with verdict_reuse: off.
         self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
+        # One warm-up judge call per cohort before the rest (_start_ready_pairs).
+        # (Only for judge endpoints: the built-in judge and plugins have no prefix cache here.)
+        self._warm_up = (cfg.judge.routing == "cohort_affinity" and bool(cfg.judge.base_urls)
+                         and cfg.judge.max_concurrency_per_endpoint is None)
+        self._crowded_at = 2 * len(cfg.judge.base_urls)  # as judge/endpoints.py's crowd
         if journal is not None:
             self._reload(journal)
 
@@ -684,7 +691,9 @@ class CohortRegistry:
         )
         cohort.trace = self._tracer.cohort(identity.describe(key), key.group_id, key.attempt,
                                            cohort.size)
+        cohort.judge_affinity = Affinity(self._crowd)
         self._active[key] = cohort
+        self._crowd.cohorts = len(self._active)
         if key.group_id is not None:
             self._active_by_group.setdefault(key.group_id, {})[key.attempt] = cohort
             self._idle_groups.pop(key.group_id, None)  # active groups are never evicted
@@ -847,14 +856,18 @@ class CohortRegistry:
         """Start every comparison whose members are present and that has no verdict yet, in
         prefix order (calls sharing the longest prefix back to back); a pair with a kept verdict
         (verdict reuse) takes it at once instead of a judge call. With ``judge.routing:
-        cohort_affinity`` the first judge call goes alone, a warm-up: the rest follow once it
-        has ended (:meth:`_judge_one`), so they find its prefix in the engine's cache instead of
-        all computing it at once."""
+        cohort_affinity``, no ``judge.max_concurrency_per_endpoint`` and at least two active
+        cohorts per judge endpoint, the first judge call goes alone, a warm-up: the rest follow
+        once it has ended (:meth:`_judge_one`), so they find its prefix in the engine's cache
+        instead of all computing it at once (with fewer cohorts nothing else would use the
+        judges meanwhile). With per-endpoint slots the endpoint's queue does that
+        (server/judge/endpoints.py)."""
         members = cohort.members
         results = cohort.results
         cache = self._verdicts
         now = trio.current_time()
-        warm_up = self._cfg.judge.routing == "cohort_affinity"
+        # The warm-up pays only while other cohorts' calls keep the judges busy meanwhile.
+        warm_up = self._warm_up and len(self._active) >= self._crowded_at
         for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
             if warm_up and len(cohort.started_pairs) > cohort.reused and not (
                     len(results) > cohort.reused):
@@ -929,8 +942,8 @@ class CohortRegistry:
             cohort.results[pair] = verdict
             if len(cohort.results) == len(cohort.pairs):
                 cohort.pairs_done.set()
-            elif (len(cohort.results) - cohort.reused == 1
-                  and self._cfg.judge.routing == "cohort_affinity"):
+            elif (len(cohort.results) - cohort.reused == 1 and self._warm_up
+                  and len(cohort.started_pairs) - cohort.reused == 1):
                 self._start_ready_pairs(cohort, nursery)  # the warm-up ended: fan out
 
     def _publish(self, cohort: Cohort) -> None:
@@ -1049,10 +1062,12 @@ class CohortRegistry:
         key = cohort.key
         now = trio.current_time()
         del self._active[key]
+        self._crowd.cohorts = len(self._active)
         self._active_bytes -= cohort.size_bytes
         cohort.members = {}
         cohort.results = {}
         cohort.verdict_prefix = None
+        cohort.judge_affinity.close()
         failure = cohort.failure
         keep = (failure is not None and failure.kind != "shutdown") or (
             failure is None and key.group_id is not None

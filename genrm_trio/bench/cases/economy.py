@@ -1,28 +1,42 @@
 """The ``economy`` benchmark preset: ``judge.routing`` least_loaded against cohort_affinity (with
-prefix order and its warm-up call), side by side in one run, against mock judges that model an
-engine's prefix cache (:mod:`genrm_trio.mock.prefix_cache`).
+prefix order and the per-endpoint prefix queue), side by side in one run, against mock judges
+that model an engine's prefix cache (:mod:`genrm_trio.mock.prefix_cache`), and the replacement
+attempts that verdict reuse makes cheap.
 
 Each run starts E mock judge processes (``--prefix-cache SIZE``, ``prompt_token_s`` per
 computed prompt token, ``output_token_s`` per output token, capacity C) and our server with all
 E URLs, ``judge.max_concurrency_per_endpoint = C`` (so waiting calls wait on our side, where
-routing sees them) and the arm's ``judge.routing``; then sends K cohorts of N members at once
-(a ~1,500-token conversation, ~200-token answers) and waits for every answer.
+routing sees them) and the arm's ``judge.routing``; then sends K cohorts of N members at once,
+member-major (member 0 of every cohort, then member 1, ...: as a step's rollouts finish, every
+cohort opens before the first is complete), a ~1,500-token conversation and ~200-token
+answers, and waits for every answer. Then, with the
+judge's cache as the step left it, every cohort is sent again as a replacement attempt with k
+of its N answers regenerated, for each k in ``replaced`` (attempt 1 + index; each k its own new
+answers), one k after the other; and last, for k > 0, fresh groups with the same answers as the
+replacement, whose rewards the replacement's must equal (``verdict_reuse: group``).
 
-Reported per arm: verifies/s and judge makespan (first send to last answer), the judges'
-computed (uncached) prompt tokens against the analytic minimum (each distinct full block of the
-step's prompts computed once, plus each prompt's partial last block), the cached-token fraction,
+Reported per arm: verifies/s and judge makespan (first send to last answer), group latency p50
+and p99 (a cohort's last send to its last answer), judge calls, the judges' computed (uncached)
+prompt tokens against the analytic minimum (each distinct full block of the step's prompts
+computed once, plus each prompt's partial last block), the cached-token fraction (hit rate),
 the summed judge busy time, and the per-endpoint load (busiest endpoint's busy time over the
-mean). ``rewards_equal``: every member's reward equals the least_loaded arm's.
+mean). Per replacement k: judge calls against the comparisons that touch a changed answer, and
+computed tokens against the minimum counting what the step already computed.
+``rewards_equal``: every member's reward equals the least_loaded arm's.
 
 ::
 
     economy_cases(params)                one Case per (strategy, K)
       +-- run: for each routing arm      E mock judges + server, fresh processes
             +-- K x loadgen.run_cohort   all at once, then /admin/stats of every judge
+            +-- per k: K replacements    all at once, /admin/stats again
+            +-- K fresh groups per k>0   the reference rewards
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import shutil
 import sys
 import time
@@ -36,7 +50,7 @@ import trio
 
 from genrm_trio import scoring
 from genrm_trio.bench import loadgen
-from genrm_trio.bench.loadgen import BodyFactory, CohortResult, CohortSpec, H11Client
+from genrm_trio.bench.loadgen import BodyFactory, CohortResult, H11Client, MemberResult
 from genrm_trio.bench.processes import launch_process
 from genrm_trio.bench.records import BenchContext, Case, RunRecord
 from genrm_trio.bench.rig import READY_MOCK, READY_OURS
@@ -53,7 +67,7 @@ class EconomyParams:
 
     n: int = 8
     endpoints: int = 2
-    cohorts: tuple[int, ...] = (1, 8)
+    cohorts: tuple[int, ...] = (1, 4, 8)
     strategies: tuple[str, ...] = ("circular", "all_pairs")
     cache: str = "small"
     capacity: int = 4
@@ -61,34 +75,92 @@ class EconomyParams:
     output_token_s: float = 1e-3
     latency_ms: float = 5.0
     spill_factor: float = 1.5
+    replaced: tuple[int, ...] = (0, 1, 2)  # answers changed per replacement attempt
 
 
 def _bodies(tag: str) -> BodyFactory:
     return BodyFactory(seed=21, run_tag=tag, prompt_chars=PROMPT_CHARS, answer_chars=ANSWER_CHARS)
 
 
-def analytic_minimum(bodies: BodyFactory, k: int, n: int, strategy: str) -> tuple[int, int]:
-    """``(minimum computed prompt tokens, total prompt tokens)`` of the step's judge prompts
-    as the mock judge renders them (``responses`` API, GenRM roles, no principle): every
-    distinct full block computed once, every prompt's partial last block computed."""
-    seen: set[bytes] = set()
+def _prompts(members: Sequence[dict[str, Any]], strategy: str) -> list[tuple[int, int, bytes]]:
+    """``(i, j, prompt)`` of a cohort's comparisons as the mock judge renders them
+    (``responses`` API, GenRM roles, no principle)."""
+    history = scoring.conversation_history(members[0]["responses_create_params"]["input"])
+    answers = [scoring.final_answer(m["response"]) for m in members]
+    return [(i, j, render_prompt([*((m["role"], m["content"]) for m in history),
+                                  ("response_1", answers[i]), ("response_2", answers[j])]))
+            for i, j, _ in scoring.comparison_pairs(len(members), strategy, 1)]
+
+
+def minimum_tokens(prompts: Sequence[bytes], seen: set[bytes]) -> tuple[int, int]:
+    """``(minimum computed prompt tokens, total prompt tokens)`` of ``prompts``: every full
+    block not in ``seen`` computed once (``seen`` is updated), every prompt's partial last
+    block computed."""
     minimum = total = 0
-    for cohort in range(k):
-        members = [msgspec.json.decode(bodies.member(cohort, i)) for i in range(n)]
-        history = scoring.conversation_history(members[0]["responses_create_params"]["input"])
-        answers = [scoring.final_answer(m["response"]) for m in members]
-        for i, j, _ in scoring.comparison_pairs(n, strategy, 1):
-            prompt = render_prompt([*((m["role"], m["content"]) for m in history),
-                                    ("response_1", answers[i]), ("response_2", answers[j])])
-            keys = block_keys(prompt)
-            tokens = prompt_tokens(prompt)
-            total += tokens
-            minimum += tokens - len(keys) * BLOCK_TOKENS
-            for key in keys:
-                if key not in seen:
-                    seen.add(key)
-                    minimum += BLOCK_TOKENS
+    for prompt in prompts:
+        keys = block_keys(prompt)
+        tokens = prompt_tokens(prompt)
+        total += tokens
+        minimum += tokens - len(keys) * BLOCK_TOKENS
+        for key in keys:
+            if key not in seen:
+                seen.add(key)
+                minimum += BLOCK_TOKENS
     return minimum, total
+
+
+def _members(bodies: BodyFactory, cohort: int, n: int) -> list[dict[str, Any]]:
+    return [msgspec.json.decode(bodies.member(cohort, i)) for i in range(n)]
+
+
+def analytic_minimum(bodies: BodyFactory, k: int, n: int, strategy: str,
+                     seen: set[bytes] | None = None) -> tuple[int, int]:
+    """``(minimum computed prompt tokens, total prompt tokens)`` of the step's judge prompts:
+    every distinct full block computed once, every prompt's partial last block computed."""
+    prompts = [p for c in range(k) for _, _, p in _prompts(_members(bodies, c, n), strategy)]
+    return minimum_tokens(prompts, set() if seen is None else seen)
+
+
+def replacement(members: Sequence[dict[str, Any]], attempt: int, changed: int) -> list[bytes]:
+    """The bodies of a replacement attempt of a cohort (``members``, attempt 0): attempt
+    ``attempt``, the first ``changed`` answers regenerated (a text of this attempt's own)."""
+    out: list[bytes] = []
+    for index, member in enumerate(members):
+        body = copy.deepcopy(member)
+        body["_ng_group_attempt"] = attempt
+        if index < changed:
+            content = body["response"]["output"][-1]["content"][0]
+            content["text"] = f"(regenerated in attempt {attempt}) {content['text']}"
+        out.append(_encode(body))
+    return out
+
+
+def fresh(bodies: Sequence[bytes], group: str) -> list[bytes]:
+    """The same members as a new group (attempt 0): a fresh cohort judging them."""
+    out: list[bytes] = []
+    for raw in bodies:
+        body = msgspec.json.decode(raw)
+        body["_ng_group_id"] = group
+        body["_ng_group_attempt"] = 0
+        out.append(_encode(body))
+    return out
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def touching(n: int, strategy: str, changed: int) -> int:
+    """Comparisons of a cohort that touch one of its first ``changed`` answers."""
+    return sum(1 for i, j, _ in scoring.comparison_pairs(n, strategy, 1)
+               if i < changed or j < changed)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class _Stats(msgspec.Struct):
@@ -119,11 +191,41 @@ def _server_command(urls: Sequence[str], params: EconomyParams, strategy: str,
         cmd += ["--judge-url", url]
     for key, value in (("num_rollouts_per_prompt", str(params.n)),
                        ("comparison_strategy", strategy), ("log_level", "WARNING"),
-                       ("judge.routing", routing),
+                       ("judge.routing", routing), ("verdict_reuse", "group"),
                        ("judge.affinity_spill_factor", repr(params.spill_factor)),
                        ("judge.max_concurrency_per_endpoint", str(params.capacity))):
         cmd += ["--set", f"{key}={value}"]
     return cmd
+
+
+async def _send_group(client: H11Client, bodies: Sequence[bytes]) -> list[float | None]:
+    """Send one group's members at once; their rewards in slot order (None: no reward)."""
+    rewards: list[float | None] = [None] * len(bodies)
+
+    async def one(index: int) -> None:
+        rewards[index] = (await loadgen.send_member(client, bodies[index], index)).reward
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(bodies)):
+            nursery.start_soon(one, index)
+    return rewards
+
+
+async def _groups(client: H11Client, groups: Sequence[Sequence[bytes]]
+                  ) -> list[list[float | None]]:
+    out: list[list[float | None]] = [[] for _ in groups]
+
+    async def one(g: int) -> None:
+        out[g] = await _send_group(client, groups[g])
+
+    async with trio.open_nursery() as nursery:
+        for g in range(len(groups)):
+            nursery.start_soon(one, g)
+    return out
+
+
+async def _judge_stats(clients: Sequence[H11Client]) -> list[_Stats]:
+    return [_stats.decode((await c.get("/admin/stats")).body) for c in clients]
 
 
 async def _one_arm(ctx: BenchContext, params: EconomyParams, strategy: str, k: int,
@@ -131,6 +233,7 @@ async def _one_arm(ctx: BenchContext, params: EconomyParams, strategy: str, k: i
     logs = ctx.out_dir / "logs"
     ctx.runs += 1
     tag = f"econ{ctx.runs}-{int(time.time())}"
+    metrics: dict[str, float] = {}
     async with AsyncExitStack() as stack:
         judges = [await stack.enter_async_context(launch_process(
             _mock_command(params), log_path=logs / f"{label}-judge{e}.log",
@@ -144,33 +247,71 @@ async def _one_arm(ctx: BenchContext, params: EconomyParams, strategy: str, k: i
         for c in judge_clients:
             stack.push_async_callback(c.aclose)
         bodies = _bodies(tag)
-        results: list[CohortResult] = []
+        answers: dict[tuple[int, int], MemberResult] = {}
 
-        async def cohort(number: int) -> None:
-            results.append(await loadgen.run_cohort(client, bodies, CohortSpec(number, params.n)))
+        async def member(number: int, index: int) -> None:
+            answers[number, index] = await loadgen.send_member(
+                client, bodies.member(number, index), index)
 
         started = time.perf_counter()
         async with trio.open_nursery() as nursery:
-            for number in range(k):
-                nursery.start_soon(cohort, number)
+            # Member-major, as a step's rollouts finish: every cohort is open before the
+            # first one is complete (cohort-major, the first is judged before the last opens).
+            for index in range(params.n):
+                for number in range(k):
+                    nursery.start_soon(member, number, index)
         makespan = time.perf_counter() - started
-        stats = [_stats.decode((await c.get("/admin/stats")).body) for c in judge_clients]
-    minimum, total = analytic_minimum(bodies, k, params.n, strategy)
-    computed = sum(s.computed_tokens for s in stats)
-    busy = [s.busy_s for s in stats]
-    results.sort(key=lambda c: c.cohort)
-    metrics = {
-        "makespan_s": makespan,
-        "verifies_per_s": k * params.n / makespan if makespan > 0 else 0.0,
-        "judge_calls": float(sum(s.calls for s in stats)),
-        "computed_tokens": float(computed),
-        "minimum_tokens": float(minimum),
-        "over_minimum": computed / minimum if minimum else 0.0,
-        "cached_fraction": sum(s.cached_tokens for s in stats) / max(1, total),
-        "judge_busy_s": sum(busy),
-        "load_max_over_mean": max(busy) / (sum(busy) / len(busy)) if sum(busy) > 0 else 0.0,
-        "failed_groups": float(sum(1 for c in results if not c.ok)),
-    }
+        results = [CohortResult(c, tuple(answers[c, i] for i in range(params.n)))
+                   for c in range(k)]
+        stats = await _judge_stats(judge_clients)
+        seen: set[bytes] = set()
+        minimum, total = analytic_minimum(bodies, k, params.n, strategy, seen)
+        computed = sum(s.computed_tokens for s in stats)
+        busy = [s.busy_s for s in stats]
+        calls = [s.calls for s in stats]
+        latencies = [c.latency_s for c in results]
+        metrics.update({
+            "makespan_s": makespan,
+            "verifies_per_s": k * params.n / makespan if makespan > 0 else 0.0,
+            "group_p50_s": percentile(latencies, 0.5),
+            "group_p99_s": percentile(latencies, 0.99),
+            "judge_calls": float(sum(calls)),
+            "computed_tokens": float(computed),
+            "minimum_tokens": float(minimum),
+            "over_minimum": computed / minimum if minimum else 0.0,
+            "cached_fraction": sum(s.cached_tokens for s in stats) / max(1, total),
+            "judge_busy_s": sum(busy),
+            "load_max_over_mean": max(busy) / (sum(busy) / len(busy)) if sum(busy) > 0 else 0.0,
+            "calls_max_over_mean": (max(calls) / (sum(calls) / len(calls))
+                                    if sum(calls) else 0.0),
+            "failed_groups": float(sum(1 for c in results if not c.ok)),
+        })
+        originals = [_members(bodies, c, params.n) for c in range(k)]
+        mismatched = 0
+        for attempt, changed in enumerate(params.replaced, start=1):
+            before = stats
+            groups = [replacement(m, attempt, changed) for m in originals]
+            rewards = await _groups(client, groups)
+            stats = await _judge_stats(judge_clients)
+            prompts = [p for g in groups for i, j, p in _prompts(
+                [msgspec.json.decode(b) for b in g], strategy) if i < changed or j < changed]
+            least, _ = minimum_tokens(prompts, seen)
+            key = f"replace{changed}"
+            metrics[f"{key}:judge_calls"] = float(
+                sum(a.calls for a in stats) - sum(b.calls for b in before))
+            metrics[f"{key}:touching_calls"] = float(k * touching(params.n, strategy, changed))
+            metrics[f"{key}:computed_tokens"] = float(
+                sum(a.computed_tokens for a in stats) - sum(b.computed_tokens for b in before))
+            metrics[f"{key}:minimum_tokens"] = float(least)
+            if changed == 0:
+                expected = [[m.reward for m in c.members] for c in results]
+            else:
+                expected = await _groups(client, [
+                    fresh(g, f"{tag}-fresh{attempt}-{c}") for c, g in enumerate(groups)])
+                stats = await _judge_stats(judge_clients)  # the next k starts from here
+            mismatched += sum(1 for got, want in zip(rewards, expected, strict=True)
+                              if got != want or None in got)
+        metrics["replacements_equal_fresh"] = float(mismatched == 0)
     return metrics, results
 
 

@@ -31,7 +31,7 @@ from genrm_trio.server.judge.answers import chat_answer, responses_answer
 from genrm_trio.server.judge.attempt import AttemptFailed, AttemptFatal, JudgeRequest
 from genrm_trio.server.judge.backends import PluginFn, load_plugin
 from genrm_trio.server.judge.bodies import base_params, chat_body, responses_body
-from genrm_trio.server.judge.endpoints import Affinity
+from genrm_trio.server.judge.endpoints import Affinity, Crowd
 from genrm_trio.server.judge.h11_pool import H11Pool
 from genrm_trio.server.judge.order import JUDGE_ORDERS, GroupProgress, JudgeOrder, OrderedLimiter
 from genrm_trio.server.judge.retry import CLOSE_BOUND_S, Judge, JudgeStats, open_judge
@@ -39,6 +39,7 @@ from genrm_trio.server.judge.retry_after import MAX_HINT_S, parse_retry_after
 
 __all__ = [
     "Affinity",
+    "Crowd",
     "CLOSE_BOUND_S",
     "MAX_HINT_S",
     "AttemptFailed",

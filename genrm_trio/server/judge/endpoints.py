@@ -17,13 +17,30 @@ one endpoint, its *home*, so the calls that share a prefix (conversation, princi
 comparison is issued: the ready endpoint with the fewest *outstanding prompt tokens* (waiting
 or in flight, each call estimated as its request body's bytes / 4, the mock judge's tokenizer
 rule), not the fewest calls. A comparison *spills* to the ready endpoint with the fewest
-outstanding tokens when its home has more than ``judge.affinity_spill_factor`` times the mean
-over ready endpoints and (with ``max_concurrency_per_endpoint``) no free slot while the other
-has one; a slot that frees on an endpoint with no waiting calls of its own takes the first
-waiting call of the most loaded endpoint that is over that bound. So affinity holds while the
-endpoints are within the factor of each other, and no endpoint idles while another one's
-queue is over it. A retry goes to the least loaded ready endpoint other than its last one (the
-home is kept); a cooling home is replaced by the least loaded ready endpoint.
+outstanding tokens when its home has no free slot while another has one and either the
+registry holds fewer than two cohorts per endpoint (no other cohort would take that slot
+soon) or its home has more than ``judge.affinity_spill_factor`` times the mean over ready
+endpoints; a slot that frees on an endpoint with no waiting calls of its own takes waiting
+calls of the most loaded endpoint under the same rule. So affinity holds while the endpoints
+are within the factor of each other, and no endpoint idles while another one's queue is over
+it. A retry goes to the least loaded ready endpoint other than its last one (the home is kept);
+a cooling home is replaced by the least loaded ready endpoint.
+
+With ``max_concurrency_per_endpoint``, each endpoint's waiting calls are served by what they
+would make the engine compute (:meth:`Endpoints._pick`), from what this process knows of each
+cohort's prefixes there (:class:`Affinity`: *warm* once a call with it was answered there,
+*computing* while the first such call is in flight): first calls whose conversation and
+``response_1`` are warm, then calls that compute a new ``response_1`` on a warm conversation,
+then calls that open a cohort there; within each, a cohort the endpoint has not served for
+:data:`STARVED_GRANTS` grants per slot first (so an open cohort's prefix does not age out of a
+small cache while older ones are served), then queue order (older cohorts first, a cohort's
+calls in prefix order: consecutive calls share the most, which is what an engine with one
+cached prompt per slot, like llama.cpp's, needs). A call that would compute again a prefix a
+call in flight is computing is a *duplicate*: when the registry holds at least two cohorts per
+endpoint (:class:`Crowd`), it waits for that call even while a slot is free (other cohorts'
+calls take the slot meanwhile), so each prefix is computed once; with fewer cohorts it takes
+the free slot, as nothing else would. The engine may still have evicted a warm prefix; it is a
+hint, never a correctness matter (rewards never depend on issue order).
 """
 
 from __future__ import annotations
@@ -82,6 +99,7 @@ class Endpoint:
         "limit",
         "used",
         "queue",
+        "grants",
     )
 
     def __init__(self, url: str, max_concurrency: int | None = None,
@@ -103,6 +121,7 @@ class Endpoint:
             else None
         self.used = 0
         self.queue: deque[SlotWaiter] = deque()
+        self.grants = 0  # slots handed out under cohort_affinity
         self.outstanding_tokens = 0  # estimated prompt tokens of calls waiting or in flight
         self.waiting = 0
         self.input_tokens = 0
@@ -113,33 +132,127 @@ class Endpoint:
         return now < self.cooling_until
 
     def has_free_slot(self) -> bool:
-        return self.limit is None or (self.used < self.limit and not self.queue)
+        # While a slot is free, every call still waiting here waits for its prefix (a call
+        # computing it is in flight), not for a slot (Endpoints.release fills free slots).
+        return self.limit is None or self.used < self.limit
+
+
+#: A prefix of a group's prompts on one endpoint: the conversation (``None``), or the
+#: conversation and one ``response_1``.
+PrefixKey = tuple[Endpoint, str | None]
+
+#: How many of an endpoint's waiting calls a free slot ranks (Endpoints._pick): the cost of a
+#: hand-over is bounded, and calls beyond the window wait for those ahead of them.
+PICK_WINDOW = 256
+
+
+class Crowd:
+    """How many cohorts the registry holds (collecting or judging), shared by their
+    :class:`Affinity`: more work is coming when this is more than one cohort per endpoint.
+    Owned by the registry, which sets ``cohorts``."""
+
+    __slots__ = ("cohorts",)
+
+    def __init__(self) -> None:
+        self.cohorts = 0
 
 
 class Affinity:
     """A group's home endpoint under ``cohort_affinity`` (None until its first comparison is
-    issued). Owned by the group (a cohort holds one as ``judge_affinity``)."""
+    issued), and which of its prompt prefixes each endpoint has computed (``warm``: a call
+    with that prefix was answered there) or is computing (``computing``: calls in flight that
+    found it cold), and when each endpoint last gave it a slot (``served``, its grant count). Owned
+    by the group (a cohort holds one as ``judge_affinity``); at most endpoints x (N + 1) keys.
+    """
 
-    __slots__ = ("endpoint",)
+    __slots__ = ("endpoint", "warm", "computing", "served", "crowd", "closed")
 
-    def __init__(self) -> None:
+    def __init__(self, crowd: Crowd | None = None) -> None:
+        self.crowd = crowd
         self.endpoint: Endpoint | None = None
+        self.warm: set[PrefixKey] = set()
+        self.computing: dict[PrefixKey, int] = {}
+        self.served: dict[Endpoint, int] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """The group is done: drop what it knows (the keys hold its answers' text); calls
+        still in flight release without bookkeeping."""
+        self.closed = True
+        self.warm.clear()
+        self.computing.clear()
+        self.served.clear()
+
+    def keys(self, endpoint: Endpoint, prefix: str | None) -> tuple[PrefixKey, ...]:
+        """The prefixes a call starting with ``prefix`` would compute on ``endpoint``."""
+        candidates = ((endpoint, None),) if prefix is None else ((endpoint, None),
+                                                                (endpoint, prefix))
+        return tuple(key for key in candidates if key not in self.warm)
+
+    def tier(self, endpoint: Endpoint, prefix: str | None) -> int:
+        """What a call starting with ``prefix`` would compute on ``endpoint``: 0 nothing of
+        what it shares (all warm there); 1 its ``response_1`` on a warm conversation; 2 the
+        conversation too (the group opens there); 3 again a prefix that a call in flight is
+        computing (a duplicate)."""
+        cold = self.keys(endpoint, prefix)
+        if not cold:
+            return 0
+        if any(key in self.computing for key in cold):
+            return DUPLICATE
+        return 2 if cold[0][1] is None else 1
+
+
+#: :meth:`Affinity.tier` of a call that would compute a prefix another call is computing.
+DUPLICATE = 3
+
+#: A group that an endpoint has served but not for this many grants per slot goes first among
+#: calls of its tier: its prefixes would otherwise age out of the engine's cache while older
+#: groups are served (a 16k-token cache holds about 8 x 4 calls' new blocks).
+STARVED_GRANTS = 8
+
+
+class Lease:
+    """One slot taken by :meth:`Endpoints.acquire`: give it back with :meth:`Endpoints.release`.
+    ``keys``: the group's prefixes this call is computing (cold when it started)."""
+
+    __slots__ = ("endpoint", "tokens", "affinity", "keys")
+
+    def __init__(self, endpoint: Endpoint, tokens: int, affinity: Affinity | None,
+                 keys: tuple[PrefixKey, ...]) -> None:
+        self.endpoint = endpoint
+        self.tokens = tokens
+        self.affinity = affinity
+        self.keys = keys
 
 
 class SlotWaiter:
     """A call waiting for a slot of ``endpoint`` (which changes when another endpoint takes it)."""
 
-    __slots__ = ("endpoint", "tokens", "avoid", "group", "place", "event", "granted")
+    __slots__ = ("endpoint", "tokens", "avoid", "group", "place", "event", "lease",
+                 "affinity", "prefix")
 
     def __init__(self, endpoint: Endpoint, tokens: int, avoid: object | None,
-                 group: object | None = None, place: int = 0) -> None:
+                 group: object | None = None, place: int = 0,
+                 affinity: Affinity | None = None, prefix: str | None = None) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
         self.avoid = avoid
         self.group = group
         self.place = place
+        self.affinity = affinity
+        self.prefix = prefix
         self.event = trio.Event()
-        self.granted = False
+        self.lease: Lease | None = None  # set when granted
+
+    def rank(self, endpoint: Endpoint) -> tuple[int, int]:
+        """(tier, 0 if this call's group waits past :data:`STARVED_GRANTS` there else 1):
+        lower goes first (then queue order)."""
+        if self.affinity is None:
+            return (1, 1)
+        served = self.affinity.served.get(endpoint)
+        starved = served is not None and (
+            endpoint.grants - served > STARVED_GRANTS * (endpoint.limit or 1))
+        return (self.affinity.tier(endpoint, self.prefix), 0 if starved else 1)
 
 
 class Endpoints:
@@ -167,7 +280,8 @@ class Endpoints:
         mean = sum(e.outstanding_tokens for e in ready) / len(ready)
         return endpoint.outstanding_tokens > self._factor * mean
 
-    def _target(self, avoid: object | None, affinity: Affinity | None) -> Endpoint:
+    def _target(self, avoid: object | None, affinity: Affinity | None,
+                prefix: str | None) -> Endpoint:
         now = trio.current_time()
         ready = self._ready(now)
         if not ready:
@@ -179,73 +293,162 @@ class Endpoints:
             home = self._lightest(ready)
             if affinity is not None:
                 affinity.endpoint = home
-        if not self._over(home, ready) or (home.limit is not None and home.has_free_slot()):
+        if home.limit is not None and home.has_free_slot():
             return home
-        free = [e for e in ready if e is not home and e.has_free_slot()]
+        # With slots and few cohorts a full home spills to any free slot (no other work would
+        # take it soon); otherwise only past the spill factor.
+        if not self._over(home, ready) and (home.limit is None or self._crowded(affinity)):
+            return home
+        free = [e for e in ready if e is not home and e.has_free_slot()
+                and not self._waits(e, affinity, prefix)]
         return self._lightest(free) if free else home
 
     async def acquire(self, avoid: object | None, affinity: Affinity | None,
-                      tokens: int, group: object | None = None, place: int = 0) -> Endpoint:
+                      tokens: int, group: object | None = None, place: int = 0,
+                      prefix: str | None = None) -> Lease:
         """``cohort_affinity``: choose the endpoint of one attempt (module docstring) and take
-        one of its slots, waiting for one in FIFO order when it has none (a group's calls in
-        their ``place`` order; a waiting call may be handed a slot of another endpoint).
-        Blocks only while waiting; a cancellation removes
-        the waiter (a slot handed to it meanwhile is passed on). The caller gives the slot
-        back with :meth:`release` and the same ``tokens``."""
-        endpoint = self._target(avoid, affinity)
+        one of its slots, waiting when it has none (or, for a duplicate in a crowd, until the
+        call computing its prefix ends). ``prefix`` (the call's ``response_1``) says which of
+        the group's prefixes the call shares. Blocks only while waiting; a cancellation
+        removes the waiter (a slot handed to it meanwhile is passed on). The caller gives the
+        slot back with :meth:`release`, which owns the returned lease."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        endpoint = self._target(avoid, affinity, prefix)
         endpoint.outstanding_tokens += tokens
-        if endpoint.has_free_slot():
+        if endpoint.has_free_slot() and not self._waits(endpoint, affinity, prefix):
             endpoint.used += 1
-            await trio.lowlevel.checkpoint()
-            return endpoint
-        waiter = SlotWaiter(endpoint, tokens, avoid, group, place)
+            lease = self._lease(endpoint, tokens, affinity, prefix)
+            # Shielded: a slot taken is the caller's to release, never lost to a cancel here.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return lease
+        waiter = SlotWaiter(endpoint, tokens, avoid, group, place, affinity, prefix)
         insert_in_place(endpoint.queue, waiter, lambda w: w.place,
                         lambda w: group is not None and w.group is group)
         endpoint.waiting += 1
         try:
             await waiter.event.wait()
         except BaseException:
-            if waiter.granted:
-                self.release(waiter.endpoint, tokens)
+            if waiter.lease is not None:
+                self.release(waiter.lease, False)
             else:
                 waiter.endpoint.queue.remove(waiter)
                 waiter.endpoint.waiting -= 1
                 waiter.endpoint.outstanding_tokens -= tokens
             raise
-        return waiter.endpoint
+        if waiter.lease is None:  # set with the event, by _grant
+            raise RuntimeError("slot waiter woken without a lease")
+        return waiter.lease
 
-    def release(self, endpoint: Endpoint, tokens: int) -> None:
-        """Give back a slot taken by :meth:`acquire`: to the endpoint's first waiting call,
-        else to the first waiting call of the most loaded ready endpoint over the spill bound,
-        else free. Synchronous."""
-        endpoint.outstanding_tokens -= tokens
+    def _lease(self, endpoint: Endpoint, tokens: int, affinity: Affinity | None,
+               prefix: str | None) -> Lease:
+        keys: tuple[PrefixKey, ...] = ()
+        endpoint.grants += 1
+        if affinity is not None and not affinity.closed:
+            affinity.served[endpoint] = endpoint.grants
+            keys = affinity.keys(endpoint, prefix)
+            for key in keys:
+                affinity.computing[key] = affinity.computing.get(key, 0) + 1
+        return Lease(endpoint, tokens, affinity, keys)
+
+    def release(self, lease: Lease, computed: bool) -> None:
+        """Give back a slot taken by :meth:`acquire` (``computed``: the judge answered, so its
+        prompt's prefixes are in that engine's cache now): free slots go to waiting calls of
+        the endpoint (:meth:`_pick`), else to waiting calls of the most loaded other endpoint
+        that is cooling, past the spill bound or (few cohorts) holding any, else stay free.
+        Synchronous."""
+        endpoint = lease.endpoint
+        affinity = lease.affinity
+        if affinity is not None and not affinity.closed:
+            for key in lease.keys:
+                left = affinity.computing[key] - 1
+                if left:
+                    affinity.computing[key] = left
+                else:
+                    del affinity.computing[key]
+                if computed:
+                    affinity.warm.add(key)
+        endpoint.outstanding_tokens -= lease.tokens
+        endpoint.used -= 1
         if endpoint.limit is None:
-            endpoint.used -= 1
             return
+        while endpoint.used < endpoint.limit:
+            waiter = self._pick(endpoint, endpoint.queue)
+            if waiter is None:
+                break
+            endpoint.used += 1
+            self._grant(waiter, endpoint)
         if endpoint.queue:
-            self._grant(endpoint.queue.popleft(), endpoint)
             return
         now = trio.current_time()
         ready = self._ready(now)
-        if endpoint in ready:
-            # A cooling endpoint's waiting calls are always taken.
+        while endpoint.used < endpoint.limit and endpoint in ready:
+            # A cooling endpoint's waiting calls are always taken; with few cohorts, any
+            # endpoint's (as _target spills them).
             victims = [e for e in self.all if e is not endpoint and e.queue
-                       and e.queue[0].avoid is not endpoint
-                       and (e.cooling(now) or self._over(e, ready))]
-            if victims:
-                victim = max(victims, key=lambda e: e.outstanding_tokens)
-                waiter = victim.queue.popleft()
-                victim.outstanding_tokens -= waiter.tokens
-                endpoint.outstanding_tokens += waiter.tokens
-                self._grant(waiter, endpoint, moved_from=victim)
+                       and (e.cooling(now) or self._over(e, ready)
+                            or not self._crowded(e.queue[0].affinity))]
+            if not victims:
                 return
-        endpoint.used -= 1
+            victim = max(victims, key=lambda e: e.outstanding_tokens)
+            waiter = self._pick(endpoint, victim.queue, steal=True)
+            if waiter is None:
+                return
+            victim.outstanding_tokens -= waiter.tokens
+            endpoint.outstanding_tokens += waiter.tokens
+            endpoint.used += 1
+            self._grant(waiter, endpoint, moved_from=victim)
 
-    @staticmethod
-    def _grant(waiter: SlotWaiter, endpoint: Endpoint, moved_from: Endpoint | None = None) -> None:
+    def _pick(self, endpoint: Endpoint, queue: deque[SlotWaiter],
+              steal: bool = False) -> SlotWaiter | None:
+        """Take from ``queue`` (``endpoint``'s own, or another's when ``steal``: not a retry
+        that avoids ``endpoint``) the waiting call a free slot of ``endpoint`` goes to: the
+        lowest :meth:`SlotWaiter.rank` among the first :data:`PICK_WINDOW`, first in queue
+        order on ties. None when nothing may go: the queue is empty, or every candidate is
+        a duplicate that waits (:meth:`_defers`; with more than the window waiting, even a
+        duplicate goes)."""
+        if not queue:
+            return None
+        best, best_rank = 0, (DUPLICATE + 1, 0)
+        for at in range(min(len(queue), PICK_WINDOW)):
+            if steal and queue[at].avoid is endpoint:
+                continue
+            rank = queue[at].rank(endpoint)
+            if rank < best_rank:
+                best, best_rank = at, rank
+        if best_rank[0] > DUPLICATE:  # nothing it may take
+            return None
+        waiter = queue[best]
+        if (best_rank[0] == DUPLICATE and len(queue) <= PICK_WINDOW
+                and self._defers(endpoint, waiter.affinity)):
+            return None
+        del queue[best]
+        return waiter
+
+    def _crowded(self, affinity: Affinity | None) -> bool:
+        """At least two cohorts per endpoint are active (collecting or judging): other
+        cohorts' calls will take a slot that one cohort leaves free."""
+        crowd = affinity.crowd if affinity is not None else None
+        return crowd is not None and crowd.cohorts >= 2 * len(self.all)
+
+    def _waits(self, endpoint: Endpoint, affinity: Affinity | None, prefix: str | None) -> bool:
+        """A call of ``affinity``'s group starting with ``prefix`` would wait at ``endpoint``
+        although it has a free slot (:meth:`_defers`)."""
+        return (affinity is not None and affinity.tier(endpoint, prefix) == DUPLICATE
+                and self._defers(endpoint, affinity))
+
+    def _defers(self, endpoint: Endpoint, affinity: Affinity | None) -> bool:
+        """Whether a call that would compute again a prefix a call in flight is computing
+        waits for that call although ``endpoint`` has a free slot: when the endpoint is
+        serving calls and the registry is crowded (:meth:`_crowded`)."""
+        return endpoint.used > 0 and self._crowded(affinity)
+
+    def _grant(self, waiter: SlotWaiter, endpoint: Endpoint,
+               moved_from: Endpoint | None = None) -> None:
+        # The lease now, not when the waiter's task runs: the next pick must see the prefixes
+        # this call computes.
         (moved_from or endpoint).waiting -= 1
         waiter.endpoint = endpoint
-        waiter.granted = True
+        waiter.lease = self._lease(endpoint, waiter.tokens, waiter.affinity, waiter.prefix)
         waiter.event.set()
 
     # -- least_loaded ---------------------------------------------------------------------

@@ -90,16 +90,20 @@ class HttpBackend:
         tokens = len(content) // 4  # the prompt tokens estimate routing counts (endpoints.py)
         if self._endpoints.affinity:
             affinity = getattr(state.group, "judge_affinity", None)
-            chosen = await self._endpoints.acquire(
+            lease = await self._endpoints.acquire(
                 state.last_endpoint, affinity if isinstance(affinity, Affinity) else None,
-                tokens, state.group, request.place)
+                tokens, state.group, request.place, request.response_1)
+            chosen = lease.endpoint
             state.last_endpoint = chosen
             state.span.endpoint(chosen.display)
             chosen.picks += 1
+            computed = False
             try:
-                return await self._call_endpoint(chosen, content, state)
+                text = await self._call_endpoint(chosen, content, state)
+                computed = True
+                return text
             finally:
-                self._endpoints.release(chosen, tokens)
+                self._endpoints.release(lease, computed)
         endpoint = self._endpoints.choose(state.last_endpoint)
         state.last_endpoint = endpoint
         state.span.endpoint(endpoint.display)
