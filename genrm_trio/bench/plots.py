@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from genrm_trio.bench.records import CaseResult, RunRecord
@@ -161,7 +162,8 @@ def plot(results: Sequence[CaseResult], out_dir: Path) -> list[Path]:
     return written
 
 
-_SPAN_COLORS = {"request": "tab:blue", "cohort": "tab:green", "judge": "tab:orange"}
+_SPAN_COLORS = MappingProxyType(
+    {"request": "tab:blue", "cohort": "tab:green", "judge": "tab:orange"})
 
 
 def trace_timeline(ax: Any, spans: Sequence[dict[str, Any]]) -> None:
@@ -270,7 +272,7 @@ def _plot_soak_rss(ax: Any, result: CaseResult, run: RunRecord) -> None:
     ax.legend(fontsize=7, loc="lower right")
 
 
-_ROUTING_COLORS = {"least_loaded": "tab:orange", "cohort_affinity": "tab:blue"}
+_ROUTING_COLORS = MappingProxyType({"least_loaded": "tab:orange", "cohort_affinity": "tab:blue"})
 
 
 def _plot_economy(plt: Any, cases: Sequence[CaseResult], save: Callable[[Any, str], None]) -> None:

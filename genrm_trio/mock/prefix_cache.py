@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from types import MappingProxyType
 
 BYTES_PER_TOKEN = 4
 BLOCK_TOKENS = 16
@@ -31,7 +32,7 @@ BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS
 #: Named capacities (tokens) of ``prefix_cache_tokens`` (mock settings, ``--prefix-cache``).
 #: ``small`` holds about two cohorts of 8 answers of 200 tokens over a 1,500-token history;
 #: ``large`` holds everything a bench step sends.
-PREFIX_CACHE_SIZES = {"off": 0, "small": 16_384, "large": 1_048_576}
+PREFIX_CACHE_SIZES = MappingProxyType({"off": 0, "small": 16_384, "large": 1_048_576})
 
 
 def render_prompt(messages: Iterable[tuple[str, str]]) -> bytes:

@@ -512,11 +512,11 @@ class _OtelCohortTrace(_OtelParent, CohortTrace):
 
 
 #: The disposition line's fields a cohort span carries (as ``genrm.<name>``): counts only.
-_COHORT_COUNTS = {name: f"genrm.{name}" for name in (
+_COHORT_COUNTS = MappingProxyType({name: f"genrm.{name}" for name in (
     "members", "size", "collection_s", "evaluation_s", "judge_calls", "judge_results",
-    "defaulted_comparisons", "judge_input_tokens", "judge_output_tokens", "judge_cached_tokens",
-    "scored",
-)}
+    "reused_comparisons", "defaulted_comparisons", "judge_input_tokens", "judge_output_tokens",
+    "judge_cached_tokens", "scored",
+)})
 
 
 class _OtelTracer(Tracer):
