@@ -128,7 +128,7 @@ async def test_a_shared_prefix_is_reported_as_cached_tokens(nursery: trio.Nurser
                                                             path: str) -> None:
     url, state = await _start(nursery, prefix_cache_tokens=16_384)
     build = chat if path == CHAT_PATH else responses
-    async with httpx2.AsyncClient(timeout=None) as c:
+    async with httpx2.AsyncClient(timeout=30.0) as c:
         first = (await c.post(url + path, json=build("A first answer.", "B"))).json()
         second = (await c.post(url + path, json=build("Another answer!", "C"))).json()
     details = "prompt_tokens_details" if path == CHAT_PATH else "input_tokens_details"
@@ -146,7 +146,7 @@ async def test_a_shared_prefix_is_reported_as_cached_tokens(nursery: trio.Nurser
 async def test_llama_cpp_style_timings_and_no_report(nursery: trio.Nursery) -> None:
     url, _ = await _start(nursery, prefix_cache_tokens=16_384, cache_report="timings")
     quiet, _ = await _start(nursery, prefix_cache_tokens=16_384, cache_report="none")
-    async with httpx2.AsyncClient(timeout=None) as c:
+    async with httpx2.AsyncClient(timeout=30.0) as c:
         await c.post(url + CHAT_PATH, json=chat("x", "y"))
         answer = (await c.post(url + CHAT_PATH, json=chat("x", "z"))).json()
         await c.post(quiet + CHAT_PATH, json=chat("x", "y"))
@@ -163,7 +163,7 @@ async def test_time_is_charged_per_computed_prompt_token_and_per_output_token(
 ) -> None:
     url, state = await _start(nursery, prefix_cache_tokens=16_384, prompt_token_s=0.001,
                               output_token_s=0.01)
-    async with httpx2.AsyncClient(timeout=None) as c:
+    async with httpx2.AsyncClient(timeout=30.0) as c:
         first = (await c.post(url + CHAT_PATH, json=chat("x", "y"))).json()
         busy_first = state.busy_s
         second = (await c.post(url + CHAT_PATH, json=chat("x", "z"))).json()
@@ -181,7 +181,7 @@ async def test_each_mock_judge_is_its_own_engine_and_reset_clears_its_cache(
 ) -> None:
     a, _ = await _start(nursery, prefix_cache_tokens=16_384)
     b, _ = await _start(nursery, prefix_cache_tokens=16_384)
-    async with httpx2.AsyncClient(timeout=None) as c:
+    async with httpx2.AsyncClient(timeout=30.0) as c:
         await c.post(a + CHAT_PATH, json=chat("x", "y"))
         other = (await c.post(b + CHAT_PATH, json=chat("x", "z"))).json()
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
