@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import trio
 
 from genrm_trio.bench.cases.flood import flood_body, flood_case
 from genrm_trio.bench.cases.soak import (
@@ -31,18 +32,29 @@ from genrm_trio.bench.records import BenchContext, CaseResult, RunRecord
 from genrm_trio.bench.report import _goal_rows, summarize
 from genrm_trio.bench.run import gate_failures, run_bench
 
+SMOKE_BOUND_S = 180.0
+
+
+def _log_tails(logs: Path, lines: int = 40) -> dict[str, list[str]]:
+    """The last lines of each process log of a run (what a failed assertion shows)."""
+    return {p.name: p.read_text(errors="replace").splitlines()[-lines:]
+            for p in sorted(logs.glob("*.log"))}
+
 
 async def test_smoke_preset_runs_against_our_server(tmp_path: Path) -> None:
-    results = await run_bench(
-        ["smoke"], out_dir=tmp_path, kinds=("ours",), repeats=1, echo=lambda _: None
-    )
+    # A hang guard, not a timing goal (the run takes seconds): a cohort left waiting would
+    # otherwise hold the suite for the preset's 1,800 s collection timeout.
+    with trio.fail_after(SMOKE_BOUND_S):
+        results = await run_bench(
+            ["smoke"], out_dir=tmp_path, kinds=("ours",), repeats=1, echo=lambda _: None
+        )
 
     assert [(r.preset, r.label) for r in results] == [("smoke", "n4-k2-judge0ms")]
     (run,) = results[0].runs["ours"]
     assert "error" not in run.notes, run.notes
     metrics = run.metrics
     assert metrics["cohorts"] == 6.0
-    assert metrics["failed_members"] == 0.0
+    assert metrics["failed_members"] == 0.0, (run.notes, _log_tails(tmp_path / "logs"))
     assert metrics["verifies_per_s"] > 0
     assert metrics["cpu_ms_per_cohort"] > 0
     assert metrics["peak_rss_mb"] > 1

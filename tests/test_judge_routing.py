@@ -184,6 +184,7 @@ def pair(group: int, i: int, j: int) -> JudgeRequest:
     return JudgeRequest(history=history, response_1=f"answer {i}", response_2=f"answer {j}")
 
 
+@pytest.mark.parametrize("slots", [5, None])  # None: no per-endpoint limit (the default)
 @pytest.mark.parametrize(("cohorts", "starts"), [
     # two cohorts per endpoint active: (0, 2), (0, 3) wait for (0, 1) to compute the
     # conversation and answer 0, (1, 3) for (1, 2) to compute answer 1; slots stay free
@@ -194,17 +195,21 @@ def pair(group: int, i: int, j: int) -> JudgeRequest:
 ])
 async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_other_calls_go(
     autojump_clock: trio.testing.MockClock, cohorts: int, starts: list[float],
+    slots: int | None,
 ) -> None:
     fakes = Endpoints()
     config = cfg("cohort_affinity", affinity_spill_factor=16.0,
-                 max_concurrency_per_endpoint=5)
+                 max_concurrency_per_endpoint=slots)
     group = Group(crowd(cohorts))
-    async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
-        async with trio.open_nursery() as nursery:
-            for i, j in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3)):
-                nursery.start_soon(judge.judge_pair, pair(0, i, j), group)
-                await trio.testing.wait_all_tasks_blocked()  # issued in this order
-        status = judge.status()
+    # A call left waiting with nothing to wake it fails here (the clock jumps to the
+    # deadline) instead of hanging the suite.
+    with trio.fail_after(60):
+        async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+            async with trio.open_nursery() as nursery:
+                for i, j in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3)):
+                    nursery.start_soon(judge.judge_pair, pair(0, i, j), group)
+                    await trio.testing.wait_all_tasks_blocked()  # issued in this order
+            status = judge.status()
     by_pair = {(r1, r2): t for t, _, r1, r2 in fakes.calls}
     assert [by_pair[f"answer {i}", f"answer {j}"] for i, j in
             ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))] == starts

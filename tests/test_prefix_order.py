@@ -221,3 +221,34 @@ async def test_with_many_cohorts_in_flight_each_endpoint_computes_a_conversation
         assert trio.current_time() == 2.0
     else:
         assert trio.current_time() in (6.0, 7.0)
+
+
+@pytest.mark.parametrize("strategy", ["circular", "all_pairs"])
+async def test_without_a_per_endpoint_limit_waiting_duplicates_go_when_their_prefix_is_warm(
+    autojump_clock: trio.testing.MockClock, strategy: str,
+) -> None:
+    # The default judge settings (cohort_affinity, no judge.max_concurrency_per_endpoint) with
+    # one endpoint and four cohorts active: calls that would compute again the conversation
+    # the warm-up call is computing wait for it, and its answer must release them (a lost
+    # wake-up here once left a cohort waiting for its collection timeout).
+    fakes = FakeEndpoints()
+    n = 4
+    cfg = Config(num_rollouts_per_prompt=n, comparison_strategy=strategy,  # type: ignore[arg-type]
+                 genrm_parse_retry_sleep_s=0.0, judge=JudgeConfig(base_urls=(URL_A,)))
+    assert cfg.judge.routing == "cohort_affinity"
+    assert cfg.judge.max_concurrency_per_endpoint is None
+    with trio.fail_after(cfg.cohort_collection_timeout_s / 2):
+        async with open_judge(cfg, transport=transport(fakes), rng=MaxRng()) as judge, \
+                open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
+            outcomes = Outcomes(registry, nursery)
+            for c in range(4):
+                for slot in range(n):
+                    outcomes.send(f"c{c}m{slot}", member(cfg, slot, group=f"g{c}",
+                                                         prompt=f"Task {c}: why?"))
+    assert all(outcomes.reward(f"c{c}m{slot}") > 0 for c in range(4) for slot in range(n))
+    # each cohort's conversation went first alone (the warm-up), then the rest together
+    first: dict[str, float] = {}
+    for started, _, history in fakes.histories:
+        first.setdefault(history, started)
+    assert all(started == first[history] or started >= first[history] + fakes.service_s
+               for started, _, history in fakes.histories)

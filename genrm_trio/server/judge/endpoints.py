@@ -369,15 +369,17 @@ class Endpoints:
                     affinity.warm.add(key)
         endpoint.outstanding_tokens -= lease.tokens
         endpoint.used -= 1
-        if endpoint.limit is None:
-            return
-        while endpoint.used < endpoint.limit:
+        limit = math.inf if endpoint.limit is None else endpoint.limit
+        # Without a limit a call waits here only as a duplicate of a prefix that a call in
+        # flight computes (_waits); this release may have ended that wait (its prefix is warm
+        # now, or no longer being computed, or nothing is in flight): grant what may go.
+        while endpoint.used < limit:
             waiter = self._pick(endpoint, endpoint.queue)
             if waiter is None:
                 break
             endpoint.used += 1
             self._grant(waiter, endpoint)
-        if endpoint.queue:
+        if endpoint.queue or endpoint.limit is None:
             return
         now = trio.current_time()
         ready = self._ready(now)
