@@ -563,6 +563,8 @@ async def test_cli_prints_the_listening_line_and_exits_on_signal(
         (["--set", "latency_s=slow"], "latency_s"),
         (["--set", "bogus=1"], "bogus"),
         (["--fault", "teapot"], "fault"),
+        (["--prefix-cache", "1e4"], "prefix_cache_tokens"),
+        (["--prefix-cache", "-4096"], "prefix_cache_tokens"),
     ],
 )
 async def test_cli_bad_setting_exits_2_with_one_line(args: list[str], key: str) -> None:

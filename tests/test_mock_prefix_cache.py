@@ -4,6 +4,7 @@ charges per computed prompt token and per output token, and how it reports cache
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import httpx2
@@ -17,8 +18,11 @@ from genrm_trio.mock.judge import run_mock_judge
 from genrm_trio.mock.prefix_cache import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
+    MAX_PREFIX_CACHE_TOKENS,
+    PREFIX_CACHE_SIZES,
     PrefixCache,
     block_keys,
+    parse_capacity,
     prompt_tokens,
     render_prompt,
 )
@@ -104,16 +108,33 @@ def test_bad_engine_settings_name_the_key(values: dict[str, Any], key: str) -> N
     assert info.value.key == key
 
 
-def test_named_cache_sizes_from_settings_and_the_cli_flag() -> None:
-    assert settings_from_mapping({"prefix_cache_tokens": "small"}).prefix_cache_tokens == 16_384
-    flags: dict[str, Any] = {"host": None, "port": None, "config_path": None, "overrides": (),
+CLI_FLAGS: dict[str, Any] = {"host": None, "port": None, "config_path": None, "overrides": (),
                              "latency_ms": None, "capacity": None, "fault": None,
                              "fault_count": None}
+
+
+def test_named_cache_sizes_from_settings_and_the_cli_flag() -> None:
+    assert settings_from_mapping({"prefix_cache_tokens": "small"}).prefix_cache_tokens == 16_384
+    flags = CLI_FLAGS
     assert _settings_from_cli(**flags, prefix_cache="large").prefix_cache_tokens == 1_048_576
     assert _settings_from_cli(**flags, prefix_cache="4096").prefix_cache_tokens == 4096
-    with pytest.raises(ConfigError) as info:
-        _settings_from_cli(**flags, prefix_cache="big")
-    assert info.value.key == "prefix_cache_tokens"
+    assert _settings_from_cli(**flags, prefix_cache="0").prefix_cache_tokens == 0
+    assert _settings_from_cli(**flags).prefix_cache_tokens == 0  # no flag: off
+    for bad in ("big", "1e4", "-4096", "4096.5", "", str(MAX_PREFIX_CACHE_TOKENS + 1)):
+        with pytest.raises(ConfigError, match="off, small, large or a token count") as info:
+            _settings_from_cli(**flags, prefix_cache=bad)
+        assert info.value.key == "prefix_cache_tokens"
+
+
+def test_parse_capacity_takes_a_name_or_a_whole_token_count() -> None:
+    assert [parse_capacity(v) for v in ("off", "small", "large")] == [
+        PREFIX_CACHE_SIZES["off"], PREFIX_CACHE_SIZES["small"], PREFIX_CACHE_SIZES["large"]]
+    assert parse_capacity("6144") == 6144 and parse_capacity(" 8192 ") == 8192
+    assert parse_capacity(str(MAX_PREFIX_CACHE_TOKENS)) == MAX_PREFIX_CACHE_TOKENS
+    for bad in ("SMALL", "huge", "-1", "+8", "8k", "0x100", "1_000", "",
+                str(MAX_PREFIX_CACHE_TOKENS + 1)):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            parse_capacity(bad)
 
 
 async def _start(nursery: trio.Nursery, **settings: Any) -> tuple[str, MockJudgeState]:
@@ -188,3 +209,36 @@ async def test_each_mock_judge_is_its_own_engine_and_reset_clears_its_cache(
         await c.post(a + "/admin/reset")
         again = (await c.post(a + CHAT_PATH, json=chat("x", "z"))).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _conversation(topic: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Explain the proof of {topic} in detail. " * 30}]
+
+
+@pytest.mark.parametrize("holds_both", [False, True])
+async def test_the_mock_honours_a_numeric_capacity(nursery: trio.Nursery,
+                                                   holds_both: bool) -> None:
+    """A capacity given as a token count (``--prefix-cache TOKENS``) bounds what the mock
+    keeps: one that holds one conversation's prompt but not two evicts the first when the
+    second is computed; one that holds both finds the first again."""
+    one = {"model": "m", "messages": [*_conversation("A"), {"role": "response_1", "content": "x"},
+                                      {"role": "response_2", "content": "y"}]}
+    two = {"model": "m", "messages": [*_conversation("B"), {"role": "response_1", "content": "x"},
+                                      {"role": "response_2", "content": "y"}]}
+    blocks = len(block_keys(render_prompt((m["role"], m["content"]) for m in one["messages"])))
+    assert blocks == len(block_keys(render_prompt(
+        (m["role"], m["content"]) for m in two["messages"])))
+    capacity = (2 if holds_both else 1) * blocks * BLOCK_TOKENS + BLOCK_TOKENS // 2
+    settings = _settings_from_cli(**CLI_FLAGS, prefix_cache=str(capacity))
+    assert settings.prefix_cache_tokens == capacity
+    state = MockJudgeState()
+    url = await nursery.start(functools.partial(run_mock_judge, settings, state=state))
+    async with httpx2.AsyncClient(timeout=30.0) as c:
+        for body in (one, two):
+            first = (await c.post(url + CHAT_PATH, json=body)).json()
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = (await c.post(url + CHAT_PATH, json=one)).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    tokens = again["usage"]["prompt_tokens"]
+    # held: every full block (at most tokens - 1); evicted by the second prompt: nothing of it
+    assert cached == (min(blocks * BLOCK_TOKENS, tokens - 1) if holds_both else 0)

@@ -10,6 +10,7 @@ import click
 import trio
 
 from genrm_trio.bench.cases import step
+from genrm_trio.bench.cases.economy import parse_economy_overrides
 from genrm_trio.bench.cases.soak import parse_soak_overrides
 from genrm_trio.bench.presets import PRESETS
 from genrm_trio.bench.records import KINDS
@@ -67,6 +68,15 @@ def _default_out_dir() -> Path:
     "capacities (comma list), orders (comma list), seed, collection_timeout_s.",
 )
 @click.option(
+    "--economy",
+    "economy_overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Shape the economy preset (repeatable): cache (off, small, large or a token count per "
+    "mock judge), endpoints, cohorts (comma list), strategies (comma list), n, capacity, "
+    "replaced (comma list), prompt_token_s, output_token_s, latency_ms, spill_factor.",
+)
+@click.option(
     "--soak",
     "soak_items",
     multiple=True,
@@ -87,6 +97,7 @@ def bench_cli(
     out_dir: Path | None,
     duration_s: float | None,
     step_overrides: tuple[str, ...],
+    economy_overrides: tuple[str, ...],
     soak_items: tuple[str, ...],
     nemo_venv: Path | None,
 ) -> None:
@@ -104,6 +115,11 @@ def bench_cli(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--step") from None
     try:
+        economy_params = (parse_economy_overrides(economy_overrides) if economy_overrides
+                          else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--economy") from None
+    try:
         soak_overrides = parse_soak_overrides(soak_items) if soak_items else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--soak") from None
@@ -120,6 +136,7 @@ def bench_cli(
             echo=lambda s: click.echo(s, err=True),
             duration_s=duration_s,
             step_params=step_params,
+            economy_params=economy_params,
             soak_overrides=soak_overrides,
         )
     )

@@ -14,6 +14,7 @@ import msgspec
 import trio
 
 from genrm_trio.bench.cases import step
+from genrm_trio.bench.cases.economy import EconomyParams, economy_cases
 from genrm_trio.bench.cases.step import step_cases
 from genrm_trio.bench.nemo_gym import default_nemo_venv, ensure_nemo_venv
 from genrm_trio.bench.plots import plot
@@ -32,6 +33,7 @@ async def run_bench(
     echo: Callable[[str], None] = print,
     duration_s: float | None = None,
     step_params: step.StepParams | None = None,
+    economy_params: EconomyParams | None = None,
     soak_overrides: Mapping[str, Any] | None = None,
 ) -> list[CaseResult]:
     """Run the presets' cases, alternating the servers A B A B ``repeats`` times per case, and
@@ -40,9 +42,10 @@ async def run_bench(
     Blocks for as long as the runs take (minutes for ``all``). Every process started is ended
     before this returns, also on cancellation. A run that fails is recorded with its error and
     the bench goes on. Raises ``KeyError`` for an unknown preset name. ``step_params`` shapes
-    the ``step`` preset (default :class:`~genrm_trio.bench.cases.step.StepParams`);
-    ``soak_overrides`` are keyword arguments of
-    :func:`~genrm_trio.bench.cases.soak.soak_case`.
+    the ``step`` preset (default :class:`~genrm_trio.bench.cases.step.StepParams`),
+    ``economy_params`` the ``economy`` preset (default
+    :class:`~genrm_trio.bench.cases.economy.EconomyParams`); ``soak_overrides`` are keyword
+    arguments of :func:`~genrm_trio.bench.cases.soak.soak_case`.
     """
     names = ([p for p in PRESETS if p not in NOT_IN_ALL] if list(presets) == ["all"]
              else list(presets))
@@ -50,6 +53,7 @@ async def run_bench(
         case
         for name in names
         for case in (step_cases(step_params) if name == "step" and step_params
+                     else economy_cases(economy_params) if name == "economy" and economy_params
                      else [soak_preset(**soak_overrides)] if name == "soak" and soak_overrides
                      else PRESETS[name]())
     ]

@@ -16,7 +16,7 @@ import yaml
 from genrm_trio.errors import ConfigError
 from genrm_trio.mock.faults import Fault
 from genrm_trio.mock.judge import run_mock_judge
-from genrm_trio.mock.prefix_cache import PREFIX_CACHE_SIZES
+from genrm_trio.mock.prefix_cache import PREFIX_CACHE_SIZES, parse_capacity
 from genrm_trio.mock.settings import MockJudgeSettings, settings_from_mapping
 
 log = logging.getLogger(__name__)
@@ -79,16 +79,14 @@ def _settings_from_cli(
     return settings_from_mapping(values)
 
 
-def _prefix_cache_size(value: str | None) -> int | str | None:
+def _prefix_cache_size(value: str | None) -> int | None:
     """``--prefix-cache``: ``off``, ``small``, ``large`` or a number of tokens."""
-    if value is None or value in PREFIX_CACHE_SIZES:
-        return value
+    if value is None:
+        return None
     try:
-        return int(value)
-    except ValueError:
-        raise ConfigError("prefix_cache_tokens",
-                          f"--prefix-cache must be off, small, large or a token count, "
-                          f"got {value!r}") from None
+        return parse_capacity(value)
+    except ValueError as exc:
+        raise ConfigError("prefix_cache_tokens", f"--prefix-cache {exc}") from None
 
 
 async def _serve_until_signal(settings: MockJudgeSettings) -> int:
@@ -121,7 +119,8 @@ def _fail(code: int, message: str) -> NoReturn:
 @click.option("--fault", default=None, help="Fault: " + ", ".join(f.value for f in Fault) + ".")
 @click.option("--fault-count", type=int, default=None, help="Fault only the first N calls.")
 @click.option("--prefix-cache", default=None, metavar="SIZE",
-              help="Prefix cache model: off, small (16,384 tokens), large (1,048,576) or tokens.")
+              help=f"Prefix cache model: off, small ({PREFIX_CACHE_SIZES['small']:,} tokens), "
+              f"large ({PREFIX_CACHE_SIZES['large']:,}) or a token count.")
 def mock_judge_cli(
     host: str | None,
     port: int | None,

@@ -34,6 +34,22 @@ BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS
 #: ``large`` holds everything a bench step sends.
 PREFIX_CACHE_SIZES = MappingProxyType({"off": 0, "small": 16_384, "large": 1_048_576})
 
+#: The largest capacity the model accepts (tokens).
+MAX_PREFIX_CACHE_TOKENS = 2**30
+
+
+def parse_capacity(value: str) -> int:
+    """A capacity as the mock's ``--prefix-cache`` and the economy preset's ``cache`` take it:
+    ``off``, ``small``, ``large`` or a whole number of tokens in 0..:data:`MAX_PREFIX_CACHE_TOKENS`
+    (digits only). Raises ``ValueError`` saying what is accepted. Pure."""
+    text = value.strip()
+    if text in PREFIX_CACHE_SIZES:
+        return PREFIX_CACHE_SIZES[text]
+    if not text.isdigit() or int(text) > MAX_PREFIX_CACHE_TOKENS:
+        raise ValueError(f"must be off, small, large or a token count in "
+                         f"0..{MAX_PREFIX_CACHE_TOKENS}, got {value!r}")
+    return int(text)
+
 
 def render_prompt(messages: Iterable[tuple[str, str]]) -> bytes:
     """The prompt the engine would tokenize: ``<|ROLE|>\\nCONTENT\\n`` per message, UTF-8."""

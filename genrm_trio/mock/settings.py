@@ -16,10 +16,9 @@ import trio
 from genrm_trio.errors import ConfigError
 from genrm_trio.mock.faults import RANDOM_MIX, Fault
 from genrm_trio.mock.http import JUDGE_PATHS
-from genrm_trio.mock.prefix_cache import PREFIX_CACHE_SIZES
+from genrm_trio.mock.prefix_cache import MAX_PREFIX_CACHE_TOKENS, PREFIX_CACHE_SIZES
 
-#: Bounds of the prefix-cache model's settings.
-MAX_PREFIX_CACHE_TOKENS = 2**30
+#: Bounds of the prefix-cache model's settings (and :data:`MAX_PREFIX_CACHE_TOKENS`).
 MAX_TOKEN_S = 1.0
 
 

@@ -40,9 +40,9 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgspec
@@ -54,16 +54,27 @@ from genrm_trio.bench.loadgen import BodyFactory, CohortResult, H11Client, Membe
 from genrm_trio.bench.processes import launch_process
 from genrm_trio.bench.records import BenchContext, Case, RunRecord
 from genrm_trio.bench.rig import READY_MOCK, READY_OURS
-from genrm_trio.mock.prefix_cache import BLOCK_TOKENS, block_keys, prompt_tokens, render_prompt
+from genrm_trio.mock.prefix_cache import (
+    BLOCK_TOKENS,
+    PREFIX_CACHE_SIZES,
+    block_keys,
+    parse_capacity,
+    prompt_tokens,
+    render_prompt,
+)
 
 ROUTINGS = ("least_loaded", "cohort_affinity")
+STRATEGIES = ("circular", "all_pairs")
 PROMPT_CHARS = 6000  # about 1,500 tokens at 4 characters a token
 ANSWER_CHARS = (760, 840)  # about 200 tokens
 
 
 @dataclass(frozen=True)
 class EconomyParams:
-    """One economy sweep. Times per token are the mock engine's (seconds)."""
+    """One economy sweep. Times per token are the mock engine's (seconds). ``cache``: each
+    mock judge's prefix-cache capacity as its ``--prefix-cache`` takes it (``off``, ``small``,
+    ``large`` or a token count). Raises ``ValueError`` naming the field for a value the run
+    could not use."""
 
     n: int = 8
     endpoints: int = 2
@@ -76,6 +87,69 @@ class EconomyParams:
     latency_ms: float = 5.0
     spill_factor: float = 1.5
     replaced: tuple[int, ...] = (0, 1, 2)  # answers changed per replacement attempt
+
+    def __post_init__(self) -> None:
+        try:
+            parse_capacity(self.cache)
+        except ValueError as exc:
+            raise ValueError(f"cache: {exc}") from None
+        if self.n < 2 or self.endpoints < 1 or self.capacity < 1:
+            raise ValueError("need n >= 2, endpoints >= 1, capacity >= 1")
+        if not self.cohorts or min(self.cohorts) < 1:
+            raise ValueError("cohorts: one or more counts, each >= 1")
+        if not self.strategies or not set(self.strategies) <= set(STRATEGIES):
+            raise ValueError(f"strategies: one or more of {', '.join(STRATEGIES)}")
+        if any(not 0 <= k <= self.n for k in self.replaced):
+            raise ValueError(f"replaced: each in 0..n ({self.n})")
+        for key in ("prompt_token_s", "output_token_s", "latency_ms"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ValueError(f"{key}: a finite number >= 0")
+        if not 1.0 <= self.spill_factor <= 16.0:
+            raise ValueError("spill_factor: in [1, 16] (judge.affinity_spill_factor)")
+
+    @property
+    def cache_tokens(self) -> int:
+        """Each mock judge's prefix-cache capacity in tokens."""
+        return parse_capacity(self.cache)
+
+    def cache_label(self) -> str:
+        """``small`` for a named setting, ``8192tok`` for a token count."""
+        name = self.cache.strip()
+        return name if name in PREFIX_CACHE_SIZES else f"{self.cache_tokens}tok"
+
+
+_LIST_KEYS = frozenset({"cohorts", "strategies", "replaced"})
+
+
+def parse_economy_overrides(items: Iterable[str],
+                            base: EconomyParams | None = None) -> EconomyParams:
+    """``--economy KEY=VALUE`` strings (``cache=8192``, ``cohorts=1,8``,
+    ``strategies=all_pairs``) over ``base``. Raises ``ValueError`` naming the key for an unknown
+    key or a bad value. Pure."""
+    params = base or EconomyParams()
+    types = {f.name: f.type for f in fields(EconomyParams)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in types:
+            raise ValueError(f"--economy {item!r}: unknown key (one of {', '.join(types)})")
+        try:
+            if key in _LIST_KEYS:
+                parts = tuple(v.strip() for v in value.split(",") if v.strip())
+                changes[key] = parts if key == "strategies" else tuple(int(v) for v in parts)
+            elif key == "cache":
+                changes[key] = value.strip()
+            elif key in ("n", "endpoints", "capacity"):
+                changes[key] = int(value)
+            else:
+                changes[key] = float(value)
+        except ValueError as exc:
+            raise ValueError(f"--economy {key}: bad value {value!r} ({exc})") from None
+    try:
+        return replace(params, **changes)
+    except ValueError as exc:
+        raise ValueError(f"--economy {exc}") from None
 
 
 def _bodies(tag: str) -> BodyFactory:
@@ -177,7 +251,7 @@ _stats = msgspec.json.Decoder(_Stats)
 def _mock_command(params: EconomyParams) -> list[str]:
     return [sys.executable, "-m", "genrm_trio.mock.cli", "--port", "0",
             "--latency-ms", repr(params.latency_ms), "--capacity", str(params.capacity),
-            "--prefix-cache", params.cache,
+            "--prefix-cache", str(params.cache_tokens),
             "--set", f"prompt_token_s={params.prompt_token_s:.9f}",
             "--set", f"output_token_s={params.output_token_s:.9f}"]
 
@@ -325,7 +399,7 @@ def economy_cases(params: EconomyParams | None = None) -> list[Case]:
     params = params or EconomyParams()
 
     def make(strategy: str, k: int) -> Case:
-        name = f"n{params.n}-k{k}-{strategy}-{params.endpoints}ep-{params.cache}"
+        name = f"n{params.n}-k{k}-{strategy}-{params.endpoints}ep-{params.cache_label()}"
 
         async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
             metrics: dict[str, float] = {}
@@ -343,7 +417,7 @@ def economy_cases(params: EconomyParams | None = None) -> list[Case]:
             metrics["rewards_equal"] = float(rewards[ROUTINGS[0]] == rewards[ROUTINGS[1]])
             return RunRecord(metrics)
 
-        case_params = {"strategy": strategy, "k": k, **{
+        case_params = {"strategy": strategy, "k": k, "cache_tokens": params.cache_tokens, **{
             key: value for key, value in vars(params).items()
             if key not in ("cohorts", "strategies")}}
         return Case("economy", name, run, case_params, kinds=("ours",))
