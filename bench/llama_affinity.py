@@ -50,6 +50,8 @@ import xllamacpp as xlc
 params = xlc.CommonParams()
 params.model.path = sys.argv[1]
 params.n_ctx = int(sys.argv[3])
+if int(sys.argv[4]) >= 0:  # the host-memory prompt cache; -1: llama.cpp's default
+    params.cache_ram_mib = int(sys.argv[4])
 params.n_parallel = 1
 params.cpuparams.n_threads = 1
 params.cpuparams_batch.n_threads = 1
@@ -88,7 +90,8 @@ def start_judge(args: argparse.Namespace, core: int,
     port = free_port()
     model = str(smollm2_gguf())
     if args.server == "xllamacpp":
-        cmd = [args.xllamacpp_python, "-c", XLLAMACPP_SERVER, model, str(port), str(args.n_ctx)]
+        cmd = [args.xllamacpp_python, "-c", XLLAMACPP_SERVER, model, str(port), str(args.n_ctx),
+               str(args.cache_ram_mib)]
     else:
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host",
                "127.0.0.1", "--port", str(port), "--n_ctx", str(args.n_ctx), "--n_threads", "1"]
@@ -214,6 +217,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--cache-ram-mib", type=int, default=-1,
+                        help="xllamacpp only: llama.cpp's host-memory prompt cache (cache_ram_mib;"
+                             " 0 turns it off, as a GPU engine without KV offloading has none);"
+                             " -1 (default): llama.cpp's own default")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/llama_affinity"))
     args = parser.parse_args()
     low, high = (int(v) for v in args.answer_chars.split(","))
@@ -221,7 +228,8 @@ def main() -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.server}: 2 judges x 1 core x 1 slot, SmolLM2-135M, {args.cohorts} cohorts of "
           f"{args.n} at once, {args.strategy}, ~{args.history_chars} chars of conversation, "
-          f"answers {low}-{high} chars, {args.max_tokens} output tokens, temperature 0\n")
+          f"answers {low}-{high} chars, {args.max_tokens} output tokens, temperature 0, "
+          f"cache_ram_mib {'default' if args.cache_ram_mib < 0 else args.cache_ram_mib}\n")
     print("| routing | repeat | judge wall s | prompt tokens | cached tokens | hit rate "
           "| prompt tokens per endpoint | failed members |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
