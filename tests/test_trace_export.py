@@ -8,6 +8,7 @@ Every test ends with no export process left behind: neither running nor a zombie
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
@@ -37,6 +38,7 @@ from tests.lifecycle_helpers import member
 
 INBOUND_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 INBOUND_SPAN = "00f067aa0ba902b7"
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux
 HELLO = Hello(endpoint=None, resource_attributes={"service.name": "t"}, resource_schema_url="",
               scope_name="genrm_trio", scope_version=None, log_level="WARNING",
               log_format="json")
@@ -472,21 +474,29 @@ def test_a_killed_server_leaves_no_export_process_behind(
         print(tracer.export_pid, flush=True)
         time.sleep(3600)
     """)
-    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
-    assert server.stdout is not None
+    # This process adopts the orphan (a subreaper), so it can reap it: no zombie is left.
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     try:
-        pid = int(server.stdout.readline())
-        gone = os.pidfd_open(pid)
+        server = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        assert server.stdout is not None
+        try:
+            pid = int(server.stdout.readline())
+            gone = os.pidfd_open(pid)
+        finally:
+            server.kill()
+            server.wait()
+            server.stdout.close()
+        try:
+            # Its stdin's EOF ends it: the pidfd turns readable when it has exited.
+            assert select.select([gone], [], [], 30)[0] == [gone]
+        finally:
+            os.close(gone)
+        assert os.waitpid(pid, 0)[1] == 0  # adopted: reaped here; it exited 0
     finally:
-        server.kill()
-        server.wait()
-        server.stdout.close()
-    try:
-        # Its stdin's EOF ends it: the pidfd turns readable when it has exited.
-        assert select.select([gone], [], [], 30)[0] == [gone]
-    finally:
-        os.close(gone)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 async def test_an_unreachable_collector_costs_a_counter_and_one_line(
