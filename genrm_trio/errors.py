@@ -14,6 +14,8 @@
     |   +-- FatalJudgeError         not retryable: other 4xx, per-request deadline
     |   +-- JudgeFailed             the comparison failed for good (budget exhausted or fatal)
     +-- JudgeParseError             scoring.py: judge text has no usable verdict
+    +-- ExportStartError            server/trace_export.py: the span export process cannot
+                                    start (open_tracer turns it into a ConfigError)
 
 Cohort outcomes (409/429/503 answers) are not exceptions: they are values
 (:class:`genrm_trio.server.cohort.Failure`) handed to every waiter, so one
@@ -98,3 +100,8 @@ class JudgeFailed(JudgeError):
 
 class JudgeParseError(GenRMError):
     """The judge's answer text holds no usable verdict."""
+
+
+class ExportStartError(GenRMError):
+    """The span export process could not start, or did not say it was ready in time; the
+    text says why, in one line."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from genrm_trio.bench.cases.tracing import no_otel_pythonpath
+from genrm_trio.bench.loadgen import children_cpu_s
 
 _PROBE = """
 import genrm_trio.cli, genrm_trio.server.serve
@@ -39,3 +40,22 @@ def test_no_otel_pythonpath_makes_opentelemetry_unimportable() -> None:
         plain = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                                timeout=60)
         assert plain.stdout.split() == ["imported"], plain.stderr
+
+
+def test_children_cpu_counts_the_cpu_of_live_children_only() -> None:
+    # The tracing case reads the server's export process this way: here, a child that
+    # spends CPU and then waits on its stdin (no sleep); it has no children of its own.
+    spin = "sum(range(3 * 10**7)); print('spent', flush=True); import sys; sys.stdin.read()"
+    others = children_cpu_s(os.getpid())  # whatever else this process runs (nothing, alone)
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "spent\n"
+        assert children_cpu_s(os.getpid()) >= others + 0.05
+        assert children_cpu_s(child.pid) == 0.0
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        child.stdout.close()
+    assert children_cpu_s(os.getpid()) < others + 0.05  # reaped: no longer counted

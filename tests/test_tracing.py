@@ -72,13 +72,14 @@ async def traced_stack(judge_state: MockJudgeState, n: int = 4,
         cfg = traced_cfg(judge_url, n, **keys)
         tracer = tracing.open_tracer(cfg, exporter=exporter, synchronous=True)
         stop = trio.Event()
-        url = await nursery.start(partial(_serve, cfg, stop, tracer))
-        try:
-            yield Stack(url, judge_state, exporter)
-        finally:
-            stop.set()
-            nursery.cancel_scope.deadline = trio.current_time() + 10
-    nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as server:
+            url = await server.start(partial(_serve, cfg, stop, tracer))
+            try:
+                yield Stack(url, judge_state, exporter)
+            finally:
+                stop.set()  # the server shuts down; 10 s at most, then it is cancelled
+                server.cancel_scope.deadline = trio.current_time() + 10
+        nursery.cancel_scope.cancel()  # the mock judge
 
 
 async def _serve(cfg: Config, stop: trio.Event, tracer: tracing.Tracer,

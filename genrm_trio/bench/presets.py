@@ -127,6 +127,8 @@ SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "cpu_ms_per_cohort_on_1.0",
         "cpu_ms_per_cohort_on_0.1",
         "cpu_ms_per_cohort_off_no_otel",
+        "export_process_cpu_ms_per_cohort_on_1.0",
+        "export_process_cpu_ms_per_cohort_on_0.1",
     ),
     "throughput": (
         "loadgen_cpu_pct",

@@ -46,7 +46,13 @@ from genrm_trio.server.shutdown import (
     ShutdownDeadline,
     abort_client_connections,
 )
-from genrm_trio.server.tracing import FLUSH_BOUND_S, Tracer, close_tracer, open_tracer
+from genrm_trio.server.tracing import (
+    FLUSH_BOUND_S,
+    NO_TRACER,
+    Tracer,
+    close_tracer,
+    open_tracer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +93,9 @@ async def run_server(
     every client connection still open is aborted, so this returns shortly after it whatever
     the clients do. Raises :class:`~genrm_trio.errors.ConfigError` before binding when
     ``auth_token_env`` names a variable that is not set, or ``tracing.enabled`` without the
-    ``[otel]`` extra. ``tracer`` (tests: one with an in-memory exporter) replaces the one
-    ``tracing`` asks for; it is closed here either way.
+    ``[otel]`` extra or with a span export process that cannot start. ``tracer`` (tests: one
+    with an in-memory exporter) replaces the one ``tracing`` asks for; it is closed here
+    either way (its export process with it).
     """
     stop = shutdown if shutdown is not None else trio.Event()
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
@@ -97,11 +104,15 @@ async def run_server(
     auth = BearerAuth(token) if token is not None else None
     del token
     if tracer is None:
-        tracer = open_tracer(cfg)  # before anything opens: a missing extra stops the start
-    journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
-               else None)
+        # Before anything opens: a missing extra, or an export process that cannot start,
+        # stops the start. In a thread: the export process takes a moment to be ready.
+        tracer = (await trio.to_thread.run_sync(open_tracer, cfg) if cfg.tracing.enabled
+                  else NO_TRACER)
+    journal = None
     metrics = ServerMetrics()
     try:
+        journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
+                   else None)
         async with (
             open_judge(cfg, observer=metrics) as judge,
             CohortRegistry.open(cfg, judge, journal, observer=metrics,

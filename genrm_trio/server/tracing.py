@@ -1,4 +1,7 @@
-"""Cohort-level traces with OpenTelemetry (issue 20): the only module that imports it.
+"""Cohort-level traces with OpenTelemetry (issue 20): the only module of the server process
+that imports it. Its other half, server/trace_export.py, is the span export process (a child
+of the server, the one other place ``opentelemetry`` is imported, and the only one that builds
+the OTLP exporter).
 
 Off by default, and then free: :data:`NO_TRACER` and the span objects it hands out are
 stateless no-ops shared by every request (no allocation, no import of ``opentelemetry``). With
@@ -19,22 +22,28 @@ and the rest of the server talks to it through the same small interface:
 
 Cost (issue 20's goal: 0.85x of off at sample ratio 1.0, 0.97x at 0.1): the sampler decides
 first, so an unsampled request or cohort builds nothing; a recorded span is a plain record
-(:class:`_OtelSpan`) handed to the SDK's batch processor as a ``ReadableSpan`` when it ends,
-without the SDK span's per-attribute checks and locks; what remains is mostly the OTLP
-encoding in the export thread, which grows with the number of spans, events, links and
-attributes (so nothing is exported twice).
+(:class:`_OtelSpan`), without the SDK span's per-attribute checks and locks, and when it ends
+it becomes one tuple of ints, strings and the attribute dict (no SDK object) queued in the
+SDK's batch processor. Its export thread encodes each batch with msgspec (in C) and writes it
+to the export process, which rebuilds the SDK's spans and does the OTLP encoding and the
+HTTP export there, off this process's GIL. What the encoding costs grows with the number of
+spans, events, links and attributes (so nothing is exported twice).
 
 No prompt or answer text, no judge error text and no secret goes into any attribute: only ids,
 coordinates, counts, labels from fixed sets, and the judge's model name and finish reasons.
 
-Export: the SDK's batch processor exports from its own thread; :func:`close_tracer` flushes and
-shuts it down through ``trio.to_thread`` under a bound, abandoning the thread if the collector
-outlasts it. A failed export costs a counter (``genrm_trace_export_failures_total``) and one
-rate-limited log line; the OTLP exporter's own per-failure log lines are filtered out.
+Export: the SDK's batch processor exports from its own thread, through the export process
+(its queue bound, drops and batching are the SDK's, ``OTEL_BSP_*``); :func:`close_tracer`
+flushes and shuts it down through ``trio.to_thread`` under a bound, within which the export
+process is closed, killed if late, and reaped. A failed export (the collector unreachable or
+refusing, or the export process lost) costs a counter (``genrm_trace_export_failures_total``)
+and one rate-limited log line; the OTLP exporter's own per-failure lines are dropped in the
+export process. A lost export process is replaced (server/trace_export.py says when).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -47,32 +56,37 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from genrm_trio.config import Config
-from genrm_trio.errors import ConfigError
+from genrm_trio.errors import ConfigError, ExportStartError
 from genrm_trio.logs import RateLimitedNote
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-    from opentelemetry.trace import Link, SpanContext, SpanKind
+    from opentelemetry.trace import SpanContext, SpanKind
 
+    from genrm_trio.server.trace_export import ExportProcess
     from genrm_trio.wire import VerifyMember
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install -e '.[otel]'"
 SERVICE_NAME = "genrm-trio"
+SCOPE_NAME = "genrm_trio"
 #: How long closing the tracer (flushing what is queued) may take at exit, at most.
 FLUSH_BOUND_S = 2.0
+#: Of a close's bound, this much (at most a quarter) is kept for killing and reaping a late
+#: export process.
+KILL_MARGIN_S = 0.1
 #: At most one log line per this many seconds about failed exports.
 EXPORT_NOTE_INTERVAL_S = 60.0
 #: Requests to these paths get no span (probes and scrapes: noise, and they come often).
 UNTRACED_PATHS = frozenset({"/", "/health", "/healthz", "/livez", "/readyz", "/metrics"})
 #: Caller-supplied ids in attributes are cut to this many characters.
 MAX_ID_CHARS = 256
-_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",)
 _EMPTY: tuple[tuple[str, str], ...] = ()
+_LOW64 = 2**64 - 1
 _NO_ATTRIBUTES: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -173,11 +187,18 @@ class Tracer:
 
     @property
     def export_failures(self) -> int:
-        """Spans whose export failed (the collector unreachable or refusing them)."""
+        """Spans whose export failed (the collector unreachable or refusing them, or the
+        export process lost)."""
         return 0
 
+    @property
+    def export_pid(self) -> int | None:
+        """The span export process's pid, while one runs."""
+        return None
+
     def close(self, timeout_s: float) -> None:
-        """Flush and shut down the exporter. Blocks (a thread's work: :func:`close_tracer`)."""
+        """Flush and shut down the exporter within ``timeout_s``. Blocks (a thread's work:
+        :func:`close_tracer`)."""
 
 
 NO_JUDGE_SPAN = JudgeSpan()
@@ -190,11 +211,16 @@ def open_tracer(cfg: Config, *, exporter: SpanExporter | None = None,
                 synchronous: bool = False) -> Tracer:
     """The tracer ``cfg`` asks for: :data:`NO_TRACER` unless ``tracing.enabled``.
 
-    ``exporter`` (tests) replaces the OTLP exporter; ``synchronous`` exports each span as it
-    ends (tests) instead of from the batch processor's thread. ``OTEL_SDK_DISABLED=true`` in
-    the environment gives :data:`NO_TRACER` too (with one warning line). Raises :class:`ConfigError`
-    (key ``tracing.enabled``) when the ``[otel]`` extra is not installed. The caller owns the
-    tracer and closes it (:func:`close_tracer`)."""
+    With tracing on, starts the span export process (server/trace_export.py) and waits
+    until it is ready: blocks for as long as the child takes to import the SDK (about half
+    a second; at most ``STARTUP_BOUND_S``), so call it from a thread in async code.
+    ``exporter`` (tests) replaces the export process with an exporter in this process;
+    ``synchronous`` exports each span as it ends (tests) instead of from the batch
+    processor's thread. ``OTEL_SDK_DISABLED=true`` in the environment gives
+    :data:`NO_TRACER` too (with one warning line). Raises :class:`ConfigError` (key
+    ``tracing.enabled``) when the ``[otel]`` extra is not installed or the export process
+    cannot start. The caller owns the tracer (and so the export process) and closes it
+    (:func:`close_tracer`)."""
     if not cfg.tracing.enabled:
         return NO_TRACER
     check_available(cfg)
@@ -206,28 +232,39 @@ def open_tracer(cfg: Config, *, exporter: SpanExporter | None = None,
 
 
 def check_available(cfg: Config) -> None:
-    """Raise :class:`ConfigError` if ``tracing.enabled`` is set without the ``[otel]`` extra."""
+    """Raise :class:`ConfigError` if ``tracing.enabled`` is set without the ``[otel]`` extra.
+    The OTLP exporter is only looked for, not imported: the span export process imports it
+    (and says so when it cannot, as the tracer opens)."""
     if not cfg.tracing.enabled:
         return
     try:
-        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
         import opentelemetry.sdk.trace  # noqa: F401
+
+        found = importlib.util.find_spec(
+            "opentelemetry.exporter.otlp.proto.http.trace_exporter") is not None
     except ImportError as exc:
         raise ConfigError(
             "tracing.enabled",
             f"needs the OpenTelemetry extra ({exc.name or 'opentelemetry'} is missing): "
             f"{INSTALL_HINT}") from None
+    if not found:
+        raise ConfigError(
+            "tracing.enabled",
+            "needs the OpenTelemetry extra (opentelemetry-exporter-otlp-proto-http is "
+            f"missing): {INSTALL_HINT}")
 
 
 async def close_tracer(tracer: Tracer, bound_s: float = FLUSH_BOUND_S) -> None:
     """Flush and shut ``tracer`` down in a worker thread, waiting at most ``bound_s``
-    (shielded: this runs in cleanup). A collector slower than that is abandoned: the export
-    thread is a daemon and ends with the process. Never raises."""
+    (shielded: this runs in cleanup). The tracer's own bound is a little shorter, so its
+    export process is killed (if late) and reaped within ``bound_s``; should the thread still
+    outlast it, it is abandoned (a daemon, it ends with the process). Never raises."""
     if not tracer.enabled:
         return
+    inner_s = max(0.0, bound_s - min(KILL_MARGIN_S, bound_s / 4))
     with trio.move_on_after(bound_s, shield=True) as scope:
         try:
-            await trio.to_thread.run_sync(tracer.close, bound_s, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(tracer.close, inner_s, abandon_on_cancel=True)
         except Exception:  # the exporter's own failure must not fail the shutdown
             logger.exception("tracing: closing the exporter failed")
     if scope.cancelled_caught:
@@ -289,13 +326,15 @@ MAX_EVENTS = 128
 
 
 class _OtelSpan:
-    """One recording span, kept as plain fields and handed to the batch processor as the
-    SDK's ``ReadableSpan`` when it ends (:meth:`_OtelTracer.finish`).
+    """One recording span, kept as plain fields and handed to the batch processor when it
+    ends (:meth:`_OtelTracer.finish`): as a row for the export process, or as the SDK's
+    ``ReadableSpan`` for an exporter a test put in.
 
     Why not the SDK's own span: it checks every attribute's type under a lock, on each
     ``set_attribute`` and each event and link, which was most of tracing's CPU in the tracing
     bench. Ours are built here from fixed keys and values already of OTLP's types (caller ids
-    clipped to :data:`MAX_ID_CHARS`, links and events bounded), so there is nothing to check.
+    clipped to :data:`MAX_ID_CHARS`, links and events bounded), so there is nothing to check;
+    events are ``(name, time_ns, attributes)`` and links ``(context, attributes)`` tuples.
     Used from the trio thread only; once ended nothing changes it (the export thread reads
     it), and a late change is ignored."""
 
@@ -311,18 +350,19 @@ class _OtelSpan:
         self._kind = kind
         self._start_ns = time.time_ns()
         self._attributes = attributes
-        self._events: list[Event] = []
-        self._links: list[Link] = []
+        self._events: list[tuple[str, int, dict[str, Any] | None]] = []
+        self._links: list[tuple[SpanContext, dict[str, Any] | None]] = []
         self._ended = False
 
-    def _event(self, name: str, attributes: Mapping[str, Any] = _NO_ATTRIBUTES,
+    def _event(self, name: str, attributes: dict[str, Any] | None = None,
                timestamp_ns: int | None = None) -> None:
         if not self._ended and len(self._events) < MAX_EVENTS:
-            self._events.append(self._tracer.event(name, attributes, timestamp_ns))
+            self._events.append((name, time.time_ns() if timestamp_ns is None else timestamp_ns,
+                                 attributes))
 
-    def _link(self, context: SpanContext, attributes: Mapping[str, Any] = _NO_ATTRIBUTES) -> None:
+    def _link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
         if not self._ended and len(self._links) < MAX_LINKS:
-            self._links.append(self._tracer.link(context, attributes))
+            self._links.append((context, attributes))
 
     def _end(self, error: str | None = None) -> None:
         if not self._ended:
@@ -521,15 +561,16 @@ _COHORT_COUNTS = MappingProxyType({name: f"genrm.{name}" for name in (
 
 class _OtelTracer(Tracer):
     """The OpenTelemetry tracer: the SDK's parent-based ratio sampler, random ids, resource and
-    batch processor exporting over OTLP/HTTP (no ``TracerProvider``: never the process-global
-    one, and our spans are :class:`_OtelSpan`). The sampling decision comes first: an
-    unsampled request or cohort builds nothing and gets the shared no-op."""
+    batch processor (no ``TracerProvider``: never the process-global one, and our spans are
+    :class:`_OtelSpan`), exporting through the span export process (server/trace_export.py),
+    or to the exporter a test put in. The sampling decision comes first: an unsampled request
+    or cohort builds nothing and gets the shared no-op."""
 
     __slots__ = ("_processor", "_sampler", "_ids", "_resource", "_scope", "_propagator",
-                 "_empty", "_failures", "_judge_attrs", "_judge_name", "_filter", "_root_flags",
+                 "_empty", "_failures", "_judge_attrs", "_judge_name", "_root_flags",
                  "_random_flag", "_readable", "_event", "_link", "_status_error", "_unset",
                  "_span_context", "client_kind", "server_kind", "_internal_kind",
-                 "_current_span", "_sampled", "_trace_flags", "_bound", "_id_mask")
+                 "_current_span", "_sampled", "_trace_flags", "_bound", "_id_mask", "_process")
     enabled = True
 
     def __init__(self, cfg: Config, exporter: SpanExporter | None, synchronous: bool) -> None:
@@ -555,8 +596,8 @@ class _OtelTracer(Tracer):
         if not isinstance(name, str) or name.startswith("unknown_service"):
             # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win; else ours.
             resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
-        self._resource = _hashed_resource(resource)
-        self._scope = InstrumentationScope("genrm_trio")
+        self._resource = resource
+        self._scope = InstrumentationScope(SCOPE_NAME)
         ratio = sampling.TraceIdRatioBased(cfg.tracing.sample_ratio)
         self._sampler = sampling.ParentBased(ratio)
         self._bound = ratio.bound
@@ -567,10 +608,10 @@ class _OtelTracer(Tracer):
         # W3C trace context level 2's "random trace id" flag, as the SDK sets it (newer APIs).
         self._random_flag = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
         self._root_flags = TraceFlags(TraceFlags.SAMPLED | self._random_flag)
+        self._process: ExportProcess | None = None
         if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=cfg.tracing.otlp_endpoint)
+            self._process = _start_export_process(cfg, resource)
+            exporter = _process_exporter(self._process)
         self._failures = _ExportFailures()
         counting = _counting_exporter(exporter, self._failures)
         self._processor = (SimpleSpanProcessor(counting) if synchronous
@@ -587,10 +628,6 @@ class _OtelTracer(Tracer):
         self.client_kind = SpanKind.CLIENT
         self.server_kind = SpanKind.SERVER
         self._internal_kind = SpanKind.INTERNAL
-        # The exporter logs every failed export (with retries); ours is one rate-limited line.
-        self._filter = _DropRecords()
-        for name in _EXPORTER_LOGGERS:
-            logging.getLogger(name).addFilter(self._filter)
         judge = cfg.judge
         params = cfg.genrm_responses_create_params
         model = judge.model or params.get("model")
@@ -610,32 +647,55 @@ class _OtelTracer(Tracer):
         self._judge_attrs = attrs
         self._judge_name = f"chat {attrs['gen_ai.request.model']}" if "gen_ai.request.model" \
             in attrs else "chat"
-        logger.info("tracing: on, sample ratio %g, OTLP/HTTP to %s",
-                    cfg.tracing.sample_ratio,
-                    cfg.tracing.otlp_endpoint or os.environ.get(
-                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-                        "OTEL_EXPORTER_OTLP_ENDPOINT") or "the OTEL_* default")
+        if self._process is not None:
+            logger.info("tracing: on, sample ratio %g, OTLP/HTTP to %s from the span export "
+                        "process (pid %s)", cfg.tracing.sample_ratio,
+                        cfg.tracing.otlp_endpoint or os.environ.get(
+                            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+                            "OTEL_EXPORTER_OTLP_ENDPOINT") or "the OTEL_* default",
+                        self._process.pid)
 
     @property
     def export_failures(self) -> int:
         return self._failures.spans
 
-    # The spans' building blocks, for _OtelSpan (the SDK's classes, imported only when on).
-
-    def event(self, name: str, attributes: Mapping[str, Any], timestamp_ns: int | None) -> Event:
-        return self._event(name, attributes, timestamp_ns)
-
-    def link(self, context: SpanContext, attributes: Mapping[str, Any]) -> Link:
-        return self._link(context, attributes)
+    @property
+    def export_pid(self) -> int | None:
+        """The span export process's pid (None: an exporter put in, or no child running)."""
+        return None if self._process is None else self._process.pid
 
     def finish(self, span: _OtelSpan, error: str | None) -> None:
-        """``span`` ended now: to the processor (the batch processor queues it for export)."""
+        """``span`` ended now: to the processor (the batch processor queues it for export):
+        a row for the export process (:class:`~genrm_trio.server.trace_export.SpanRow`'s
+        fields, in order: no SDK object), else the SDK's ``ReadableSpan``."""
+        end_ns = time.time_ns()
+        context = span._context
+        if self._process is not None:
+            parent = span._parent
+            trace_id = context.trace_id
+            state = context.trace_state
+            # The processor reads only .context.trace_flags.sampled of what it queues.
+            self._processor.on_end(_Ended(context, (  # type: ignore[arg-type]
+                span._name, trace_id >> 64, trace_id & _LOW64, context.span_id,
+                int(context.trace_flags), state.to_header() if state else "",
+                None if parent is None else parent.span_id,
+                parent is not None and parent.is_remote, span._kind.value, span._start_ns,
+                end_ns, span._attributes, span._events,
+                [(c.trace_id >> 64, c.trace_id & _LOW64, c.span_id, int(c.trace_flags),
+                  c.is_remote, attributes) for c, attributes in span._links],
+                0 if error is None else 2, error)))
+            return
+        event, link = self._event, self._link
         self._processor.on_end(self._readable(
-            name=span._name, context=span._context, parent=span._parent,
-            resource=self._resource, attributes=span._attributes, events=span._events,
-            links=span._links, kind=span._kind,
+            name=span._name, context=context, parent=span._parent,
+            resource=self._resource, attributes=span._attributes,
+            events=[event(name, _NO_ATTRIBUTES if attributes is None else attributes, ns)
+                    for name, ns, attributes in span._events],
+            links=[link(c, _NO_ATTRIBUTES if attributes is None else attributes)
+                   for c, attributes in span._links],
+            kind=span._kind,
             status=self._unset if error is None else self._status_error(error),
-            start_time=span._start_ns, end_time=time.time_ns(),
+            start_time=span._start_ns, end_time=end_ns,
             instrumentation_scope=self._scope))
 
     def _root(self) -> SpanContext | None:
@@ -724,33 +784,67 @@ class _OtelTracer(Tracer):
         span._end()
 
     def close(self, timeout_s: float) -> None:
+        """Flush what is queued and shut the processor down, within ``timeout_s``: the export
+        process's waits end by then (it is killed if late, and reaped); what is still queued
+        then fails at once and is counted."""
+        process = self._process
+        if process is not None:
+            process.begin_close(time.monotonic() + timeout_s)
         try:
             self._processor.force_flush(int(timeout_s * 1000))
             self._processor.shutdown()
         finally:
-            for name in _EXPORTER_LOGGERS:
-                logging.getLogger(name).removeFilter(self._filter)
+            if process is not None:
+                process.close()
 
 
-def _hashed_resource(resource: Resource) -> Resource:
-    """``resource`` with its hash computed once: the OTLP encoder groups spans by resource,
-    hashing it once per span (a JSON dump of its attributes each time)."""
-    from opentelemetry.sdk.resources import Resource
+class _Ended:
+    """A finished span on its way to the export process: the batch processor reads only its
+    ``context`` (the sampled flag); ``row`` is what is sent."""
 
-    class HashedResource(Resource):
-        def __init__(self, attributes: Any, schema_url: str | None) -> None:
-            super().__init__(attributes, schema_url)
-            self._hash = super().__hash__()
+    __slots__ = ("context", "row")
 
-        def __hash__(self) -> int:
-            return self._hash
-
-    return HashedResource(resource.attributes, resource.schema_url)
+    def __init__(self, context: SpanContext, row: tuple[Any, ...]) -> None:
+        self.context = context
+        self.row = row
 
 
-class _DropRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
+def _start_export_process(cfg: Config, resource: Resource) -> ExportProcess:
+    """The span export process, started and ready. Blocks while it starts (the SDK's
+    import, at most ``STARTUP_BOUND_S``); raises :class:`ConfigError` (``tracing.enabled``)
+    if it cannot, in one line."""
+    from genrm_trio.server.trace_export import ExportProcess, Hello
+
+    process = ExportProcess(Hello(
+        endpoint=cfg.tracing.otlp_endpoint, resource_attributes=dict(resource.attributes),
+        resource_schema_url=resource.schema_url, scope_name=SCOPE_NAME, scope_version=None,
+        log_level=cfg.log_level, log_format=cfg.log_format))
+    try:
+        process.start()
+    except ExportStartError as exc:
+        process.close()
+        raise ConfigError("tracing.enabled", f"the span export process did not start: {exc} "
+                          f"(the [otel] extra: {INSTALL_HINT})") from exc
+    return process
+
+
+def _process_exporter(process: ExportProcess) -> SpanExporter:
+    """The batch processor's exporter: each batch's rows to ``process``, its answer back as
+    the result (a lost or failed child is a failure, never an exception)."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class ProcessExporter(SpanExporter):
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            ok = process.export([span.row for span in spans])
+            return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+        def shutdown(self) -> None:
+            process.close()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return True
+
+    return ProcessExporter()
 
 
 class _ExportFailures:
