@@ -7,3 +7,5 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("any-machine", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("any-machine")
+
+from tests.otlp_receiver import receiver  # noqa: E402, F401 - the tracing tests' fixture

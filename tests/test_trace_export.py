@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from genrm_trio.errors import ExportStartError
 from genrm_trio.server import trace_export, tracing
 from genrm_trio.server.trace_export import ExportProcess, Hello
 from tests.lifecycle_helpers import member
+from tests.otlp_receiver import OtlpReceiver
 
 INBOUND_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 INBOUND_SPAN = "00f067aa0ba902b7"
@@ -239,38 +239,17 @@ def test_close_kills_a_child_that_outlives_its_stdin(caplog: pytest.LogCaptureFi
 # --------------------------------------------------------------------------- the real child
 
 
+def otlp_url(receiver: tuple[str, type[OtlpReceiver]]) -> tuple[str, type[OtlpReceiver]]:
+    """test_tracing's loopback OTLP receiver, by its full ``/v1/traces`` URL."""
+    base, handler = receiver
+    return base + "/v1/traces", handler
+
+
 def _sdk() -> None:
     pytest.importorskip("opentelemetry.sdk")
     pytest.importorskip("opentelemetry.proto")
 
 
-class _Receiver(BaseHTTPRequestHandler):
-    bodies: list[bytes]
-    status = 200
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        data = self.rfile.read(int(self.headers["content-length"]))
-        type(self).bodies.append(data)
-        self.send_response(self.status)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def receiver() -> Iterator[tuple[str, type[_Receiver]]]:
-    handler = type("Receiver", (_Receiver,), {"bodies": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def traced(endpoint: str, *sets: str) -> Config:
@@ -361,14 +340,14 @@ def decoded(bodies: list[bytes], names: dict[bytes, str] | None = None) -> list[
 
 
 def test_the_export_process_exports_what_the_sdk_would(
-        receiver: tuple[str, type[_Receiver]]) -> None:
+        receiver: tuple[str, type[OtlpReceiver]]) -> None:
     # The same spans through the export process and, in this process, through the SDK's own
     # encoder (the path before the export process): the same OTLP, ids and times aside.
     _sdk()
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    url, handler = receiver
+    url, handler = otlp_url(receiver)
     cfg = traced(url)
     tracer = tracing.open_tracer(cfg)
     assert tracer.export_pid is not None
@@ -420,9 +399,9 @@ def test_the_export_process_exports_what_the_sdk_would(
 
 
 def test_the_child_exits_0_at_eof_and_prints_nothing(
-        receiver: tuple[str, type[_Receiver]]) -> None:
+        receiver: tuple[str, type[OtlpReceiver]]) -> None:
     _sdk()
-    url, handler = receiver
+    url, handler = otlp_url(receiver)
     handler.status = 400  # refused: the exporter's failure line must not be printed
     child = subprocess.Popen(trace_export.child_command(), stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -462,9 +441,9 @@ def test_the_child_exits_0_at_eof_and_prints_nothing(
 
 
 def test_a_killed_server_leaves_no_export_process_behind(
-        receiver: tuple[str, type[_Receiver]]) -> None:
+        receiver: tuple[str, type[OtlpReceiver]]) -> None:
     _sdk()
-    url, _ = receiver
+    url, _ = otlp_url(receiver)
     code = textwrap.dedent(f"""
         import sys, time
         from genrm_trio.config import load_config
@@ -541,13 +520,13 @@ async def _serve(cfg: Config, stop: trio.Event, tracer: tracing.Tracer,
 
 
 async def test_a_killed_export_process_costs_only_its_spans(
-        receiver: tuple[str, type[_Receiver]], caplog: pytest.LogCaptureFixture) -> None:
+        receiver: tuple[str, type[OtlpReceiver]], caplog: pytest.LogCaptureFixture) -> None:
     _sdk()
     from genrm_trio.mock.judge import run_mock_judge
     from genrm_trio.mock.settings import MockJudgeSettings, MockJudgeState
     from tests.test_tracing import post_members, traced_cfg
 
-    otlp, handler = receiver
+    otlp, handler = otlp_url(receiver)
     async with trio.open_nursery() as nursery:
         judge_url = await nursery.start(partial(run_mock_judge, MockJudgeSettings(),
                                                 state=MockJudgeState()))

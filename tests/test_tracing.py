@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx2
@@ -29,6 +27,7 @@ from genrm_trio.server import tracing
 from genrm_trio.server.cohort import CohortRegistry
 from genrm_trio.server.judge import open_judge
 from tests.lifecycle_helpers import PROMPT, answer, body, member
+from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import running_server
 
 INBOUND_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -493,37 +492,10 @@ def test_endpoint_without_a_path_gets_v1_traces() -> None:
         .otlp_endpoint == "https://c/otlp/v1/traces"
 
 
-class _Receiver(BaseHTTPRequestHandler):
-    bodies: list[bytes]
-    status = 200
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        data = self.rfile.read(int(self.headers["content-length"]))
-        type(self).bodies.append(data) if self.path == "/v1/traces" else None
-        self.send_response(self.status if self.path == "/v1/traces" else 404)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def receiver() -> Iterator[tuple[str, type[_Receiver]]]:
-    handler = type("Receiver", (_Receiver,), {"bodies": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 async def test_otlp_round_trip_to_a_loopback_receiver(
-        receiver: tuple[str, type[_Receiver]]) -> None:
+        receiver: tuple[str, type[OtlpReceiver]]) -> None:
     _sdk()
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -561,7 +533,7 @@ async def test_otlp_round_trip_to_a_loopback_receiver(
 
 
 async def test_an_unreachable_collector_costs_a_counter_and_one_line(
-        receiver: tuple[str, type[_Receiver]], caplog: pytest.LogCaptureFixture) -> None:
+        receiver: tuple[str, type[OtlpReceiver]], caplog: pytest.LogCaptureFixture) -> None:
     _sdk()
     url, handler = receiver
     handler.status = 400  # refused, not retried: fast
