@@ -6,14 +6,39 @@ Plain data, no I/O: every other bench module builds on these. ``results.json`` i
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 KINDS = ("ours", "nemo")
+
+_Params = TypeVar("_Params")
+
+
+def apply_overrides(flag: str, items: Iterable[str], params: _Params,
+                    convert: Callable[[str, str], Any]) -> _Params:
+    """``KEY=VALUE`` strings (a preset's ``--step`` / ``--economy`` items) over the dataclass
+    ``params``: each value made by ``convert(key, value)``, which raises ``ValueError`` for a bad
+    one. Raises ``ValueError`` naming ``flag`` and the key for an unknown key, a bad value, or
+    what the dataclass's own checks refuse. Pure."""
+    names = [f.name for f in fields(params)]  # type: ignore[arg-type]
+    changes: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in names:
+            raise ValueError(f"{flag} {item!r}: unknown key (one of {', '.join(names)})")
+        try:
+            changes[key] = convert(key, value)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {key}: bad value {value!r} ({exc})") from None
+    try:
+        return replace(params, **changes)  # type: ignore[type-var]
+    except ValueError as exc:
+        raise ValueError(f"{flag} {exc}") from None
 
 
 class BenchError(Exception):

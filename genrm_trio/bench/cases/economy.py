@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -52,7 +52,7 @@ from genrm_trio import scoring
 from genrm_trio.bench import loadgen
 from genrm_trio.bench.loadgen import BodyFactory, CohortResult, H11Client, MemberResult
 from genrm_trio.bench.processes import launch_process
-from genrm_trio.bench.records import BenchContext, Case, RunRecord
+from genrm_trio.bench.records import BenchContext, Case, RunRecord, apply_overrides
 from genrm_trio.bench.rig import READY_MOCK, READY_OURS
 from genrm_trio.mock.prefix_cache import (
     BLOCK_TOKENS,
@@ -126,30 +126,18 @@ def parse_economy_overrides(items: Iterable[str],
     """``--economy KEY=VALUE`` strings (``cache=8192``, ``cohorts=1,8``,
     ``strategies=all_pairs``) over ``base``. Raises ``ValueError`` naming the key for an unknown
     key or a bad value. Pure."""
-    params = base or EconomyParams()
-    types = {f.name: f.type for f in fields(EconomyParams)}
-    changes: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in types:
-            raise ValueError(f"--economy {item!r}: unknown key (one of {', '.join(types)})")
-        try:
-            if key in _LIST_KEYS:
-                parts = tuple(v.strip() for v in value.split(",") if v.strip())
-                changes[key] = parts if key == "strategies" else tuple(int(v) for v in parts)
-            elif key == "cache":
-                changes[key] = value.strip()
-            elif key in ("n", "endpoints", "capacity"):
-                changes[key] = int(value)
-            else:
-                changes[key] = float(value)
-        except ValueError as exc:
-            raise ValueError(f"--economy {key}: bad value {value!r} ({exc})") from None
-    try:
-        return replace(params, **changes)
-    except ValueError as exc:
-        raise ValueError(f"--economy {exc}") from None
+
+    def convert(key: str, value: str) -> Any:
+        if key in _LIST_KEYS:
+            parts = tuple(v.strip() for v in value.split(",") if v.strip())
+            return parts if key == "strategies" else tuple(int(v) for v in parts)
+        if key == "cache":
+            return value.strip()
+        if key in ("n", "endpoints", "capacity"):
+            return int(value)
+        return float(value)
+
+    return apply_overrides("--economy", items, base or EconomyParams(), convert)
 
 
 def _bodies(tag: str) -> BodyFactory:

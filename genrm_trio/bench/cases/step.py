@@ -37,7 +37,7 @@ import math
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
@@ -46,7 +46,14 @@ import trio
 from genrm_trio import scoring
 from genrm_trio.bench import loadgen
 from genrm_trio.bench.loadgen import BodyFactory, CohortResult, CohortSpec, percentile
-from genrm_trio.bench.records import BenchContext, Case, JudgeSettings, RunRecord, ServerSettings
+from genrm_trio.bench.records import (
+    BenchContext,
+    Case,
+    JudgeSettings,
+    RunRecord,
+    ServerSettings,
+    apply_overrides,
+)
 from genrm_trio.bench.rig import _rig
 
 SCHEDULES = ("wait_for_all", "eager")
@@ -83,30 +90,21 @@ class StepParams:
 def parse_overrides(items: Iterable[str], base: StepParams | None = None) -> StepParams:
     """``KEY=VALUE`` strings (``capacities=4,8,16``) over ``base``. Raises ``ValueError``
     naming the key for an unknown key or a bad value."""
-    params = base or StepParams()
-    types = {f.name: f.type for f in fields(StepParams)}
-    changes: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in types:
-            raise ValueError(f"--step {item!r}: unknown key (one of {', '.join(types)})")
-        try:
-            if key == "capacities":
-                changes[key] = tuple(int(v) for v in value.split(",") if v.strip())
-            elif key == "orders":
-                changes[key] = tuple(v.strip() for v in value.split(",") if v.strip())
-            elif key == "strategy":
-                if value not in ("circular", "all_pairs"):
-                    raise ValueError("circular or all_pairs")
-                changes[key] = value
-            elif key in ("n", "k", "seed"):
-                changes[key] = int(value)
-            else:
-                changes[key] = float(value)
-        except ValueError as exc:
-            raise ValueError(f"--step {key}: bad value {value!r} ({exc})") from None
-    out = replace(params, **changes)
+
+    def convert(key: str, value: str) -> Any:
+        if key == "capacities":
+            return tuple(int(v) for v in value.split(",") if v.strip())
+        if key == "orders":
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if key == "strategy":
+            if value not in ("circular", "all_pairs"):
+                raise ValueError("circular or all_pairs")
+            return value
+        if key in ("n", "k", "seed"):
+            return int(value)
+        return float(value)
+
+    out = apply_overrides("--step", items, base or StepParams(), convert)
     if out.n < 2 or out.k < 1 or out.median_gen_s <= 0 or out.sigma < 0 or out.judge_ms < 0:
         raise ValueError("--step: need n >= 2, k >= 1, median_gen_s > 0, sigma >= 0, "
                          "judge_ms >= 0")
