@@ -50,7 +50,9 @@ async def stack(
     n: int = 4,
     *,
     policy_settings: MockPolicySettings | None = None,
-    collection_timeout_s: float = 1.0,
+    # Long enough that a starved machine still collects every group (an eighth of a core
+    # once missed 1 s); the tests of the deadline itself pass a short one.
+    collection_timeout_s: float = 10.0,
     extra: tuple[str, ...] = (),
 ) -> AsyncIterator[Stack]:
     judge_state = MockJudgeState()
