@@ -567,7 +567,10 @@ async def test_closing_with_a_stalled_collector_keeps_its_bound(
         start = time.monotonic()
         await tracing.close_tracer(tracer, 0.5)
         took = time.monotonic() - start
-    assert took < 0.5 + 0.2  # the bound, and the kill and reap inside it
+    # The 0.5 s bound, not the exporter's 10 s timeout or the 60 s answer bound; the slack
+    # is a starved machine's late wake-up (the kill and reap inside the bound is the next
+    # assertion's: nothing was abandoned).
+    assert took < 0.5 + 2.0
     assert tracer.export_failures == 3
     assert any("did not finish within the flush bound" in r.getMessage()
                for r in caplog.records)

@@ -103,13 +103,14 @@ async def run_server(
     token = read_auth_token(cfg, os.environ)
     auth = BearerAuth(token) if token is not None else None
     del token
+    metrics = ServerMetrics()
     if tracer is None:
         # Before anything opens: a missing extra, or an export process that cannot start,
         # stops the start. In a thread: the export process takes a moment to be ready.
+        # Nothing between this and the try below can fail, so the tracer is always closed.
         tracer = (await trio.to_thread.run_sync(open_tracer, cfg) if cfg.tracing.enabled
                   else NO_TRACER)
     journal = None
-    metrics = ServerMetrics()
     try:
         journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
                    else None)
