@@ -14,6 +14,7 @@ on the wire, which a web framework would hide or repair.
             +-- judge call                   count, pick fault, [capacity] latency, prefix
                                              cache and per-token time, answer/fault
             +-- /health, /admin/*            stats, fault plan, reset (not counted as calls)
+      +-- batched engine loop                [engine: batched] the shared steps
 
 Layering: this package is a tool. It imports the pure core (``scoring``, ``errors``,
 ``openai_shapes``) and nothing from ``server`` or ``caller``; it never imports httpx2.
@@ -28,6 +29,7 @@ import h11
 import msgspec
 import trio
 
+from genrm_trio.mock.engine import BatchedEngine
 from genrm_trio.mock.faults import Fault, answer_with_fault
 from genrm_trio.mock.http import (
     JUDGE_PATHS,
@@ -61,6 +63,11 @@ class _Server:
         self.cache = PrefixCache(settings.prefix_cache_tokens)
         self.limiter = (
             trio.CapacityLimiter(settings.capacity) if settings.capacity is not None else None
+        )
+        self.batched = (
+            BatchedEngine(self.cache, settings.prompt_token_s, settings.output_token_s,
+                          settings.engine_step_tokens)
+            if settings.engine == "batched" else None
         )
 
     # -- connection loop -------------------------------------------------------------------
@@ -242,17 +249,25 @@ class _Server:
             engine = fault not in _REFUSED
             keys = block_keys(judged.prompt) if engine else []
             tokens = prompt_tokens(judged.prompt)
-            cached = self.cache.lookup(keys, tokens) if engine else 0
-            if engine:
-                delay += (tokens - cached) * settings.prompt_token_s
-            if delay > 0:
-                await trio.sleep(delay)
             answer = answer_text(fault, judged)
+            decoded = output_tokens(answer[0]) if engine else 0
+            if self.batched is not None:
+                # The batched engine: the latency first (network, tokenizing), then the
+                # shared steps (genrm_trio.mock.engine).
+                if delay > 0:
+                    await trio.sleep(delay)
+                cached = await self.batched.serve(keys, tokens, decoded) if engine else 0
+            else:
+                cached = self.cache.lookup(keys, tokens) if engine else 0
+                if engine:
+                    delay += (tokens - cached) * settings.prompt_token_s
+                if delay > 0:
+                    await trio.sleep(delay)
+                if engine:
+                    self.cache.insert(keys)
+                    if decoded * settings.output_token_s > 0:
+                        await trio.sleep(decoded * settings.output_token_s)
             if engine:
-                self.cache.insert(keys)
-                decoded = output_tokens(answer[0])
-                if decoded * settings.output_token_s > 0:
-                    await trio.sleep(decoded * settings.output_token_s)
                 state.prompt_tokens += tokens
                 state.cached_tokens += cached
                 state.output_tokens += decoded
@@ -317,6 +332,8 @@ async def run_mock_judge(
         state.rng.seed(settings.seed)
     server = _Server(settings, state)
     listener = await _open_listener(settings.host, settings.port)
-    async with listener:
+    async with listener, trio.open_nursery() as nursery:
+        if server.batched is not None:
+            nursery.start_soon(server.batched.run)
         task_status.started(_base_url(listener))
         await trio.serve_listeners(server.serve_connection, [listener])

@@ -20,6 +20,7 @@ from genrm_trio.mock.prefix_cache import MAX_PREFIX_CACHE_TOKENS, PREFIX_CACHE_S
 
 #: Bounds of the prefix-cache model's settings (and :data:`MAX_PREFIX_CACHE_TOKENS`).
 MAX_TOKEN_S = 1.0
+MAX_STEP_TOKENS = 2**20
 
 
 class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -59,6 +60,12 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     ``usage.input_tokens_details.cached_tokens`` in responses), ``timings`` (llama.cpp's
     server: ``timings.cache_n`` cached and ``timings.prompt_n`` computed), ``both``, or
     ``none`` (a server that reports nothing).
+
+    ``engine``: ``per_call`` times each call on its own (the above: calls never slow each
+    other); ``batched`` runs every call of this mock judge through one engine with continuous
+    batching (:mod:`genrm_trio.mock.engine`: a step costs ``output_token_s`` plus
+    ``prompt_token_s`` per prompt token computed in it, at most ``engine_step_tokens`` tokens a
+    step, in 1..2**20; the batch holds ``capacity`` calls), after ``latency_s``.
     """
 
     host: str = "127.0.0.1"
@@ -78,8 +85,13 @@ class MockJudgeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     prompt_token_s: float = 0.0
     output_token_s: float = 0.0
     cache_report: Literal["usage", "timings", "both", "none"] = "usage"
+    engine: Literal["per_call", "batched"] = "per_call"
+    engine_step_tokens: int = 8192
 
     def __post_init__(self) -> None:
+        if not 1 <= self.engine_step_tokens <= MAX_STEP_TOKENS:
+            raise ConfigError("engine_step_tokens",
+                              f"must be in 1..{MAX_STEP_TOKENS}, got {self.engine_step_tokens!r}")
         if not 0 <= self.prefix_cache_tokens <= MAX_PREFIX_CACHE_TOKENS:
             raise ConfigError("prefix_cache_tokens",
                               f"must be in 0..{MAX_PREFIX_CACHE_TOKENS} (or small, large, off), "

@@ -65,6 +65,7 @@ from genrm_trio.mock.prefix_cache import (
 
 ROUTINGS = ("least_loaded", "cohort_affinity")
 STRATEGIES = ("circular", "all_pairs")
+ENGINES = ("per_call", "batched")
 PROMPT_CHARS = 6000  # about 1,500 tokens at 4 characters a token
 ANSWER_CHARS = (760, 840)  # about 200 tokens
 
@@ -87,6 +88,8 @@ class EconomyParams:
     latency_ms: float = 5.0
     spill_factor: float = 1.5
     replaced: tuple[int, ...] = (0, 1, 2)  # answers changed per replacement attempt
+    engine: str = "per_call"  # the mock judges' time model (genrm_trio.mock.engine)
+    step_tokens: int = 8192  # batched engine: prompt tokens per step (max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         try:
@@ -104,6 +107,10 @@ class EconomyParams:
         for key in ("prompt_token_s", "output_token_s", "latency_ms"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"{key}: a finite number >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: one of {', '.join(ENGINES)}")
+        if not 1 <= self.step_tokens <= 2**20:
+            raise ValueError("step_tokens: in 1..1048576 (the mock's engine_step_tokens)")
         if not 1.0 <= self.spill_factor <= 16.0:
             raise ValueError("spill_factor: in [1, 16] (judge.affinity_spill_factor)")
 
@@ -131,9 +138,9 @@ def parse_economy_overrides(items: Iterable[str],
         if key in _LIST_KEYS:
             parts = tuple(v.strip() for v in value.split(",") if v.strip())
             return parts if key == "strategies" else tuple(int(v) for v in parts)
-        if key == "cache":
+        if key in ("cache", "engine"):
             return value.strip()
-        if key in ("n", "endpoints", "capacity"):
+        if key in ("n", "endpoints", "capacity", "step_tokens"):
             return int(value)
         return float(value)
 
@@ -241,7 +248,8 @@ def _mock_command(params: EconomyParams) -> list[str]:
             "--latency-ms", repr(params.latency_ms), "--capacity", str(params.capacity),
             "--prefix-cache", str(params.cache_tokens),
             "--set", f"prompt_token_s={params.prompt_token_s:.9f}",
-            "--set", f"output_token_s={params.output_token_s:.9f}"]
+            "--set", f"output_token_s={params.output_token_s:.9f}",
+            "--set", f"engine={params.engine}", "--set", f"engine_step_tokens={params.step_tokens}"]
 
 
 def _server_command(urls: Sequence[str], params: EconomyParams, strategy: str,
@@ -388,6 +396,8 @@ def economy_cases(params: EconomyParams | None = None) -> list[Case]:
 
     def make(strategy: str, k: int) -> Case:
         name = f"n{params.n}-k{k}-{strategy}-{params.endpoints}ep-{params.cache_label()}"
+        if params.engine != "per_call":
+            name += f"-{params.engine}"
 
         async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
             metrics: dict[str, float] = {}
