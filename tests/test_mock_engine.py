@@ -88,14 +88,22 @@ async def test_a_step_computes_at_most_its_token_budget_oldest_call_first(
     assert second == pytest.approx(200 * PROMPT_S + 4 * STEP_S)
 
 
-async def test_two_calls_that_find_a_prefix_cold_both_compute_it_a_later_one_finds_it(
+async def test_calls_that_arrive_together_compute_their_shared_prefix_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     same = prompt("s")
+    start = trio.current_time()
     out = await run_calls(engine(), ("first", same, 1, 0.0), ("twin", same, 1, 0.0),
                           ("later", same, 1, 5.0))
+    # whichever of the two was planned first computed the 6 full blocks in the step they
+    # share; the other found them (as vLLM caches a block when it schedules it)
+    assert sorted((out["first"][1], out["twin"][1])) == [0, 96]
+    assert out["later"][1] == 96
+    assert out["first"][0] - start == pytest.approx((100 + 4) * PROMPT_S + STEP_S)
+    # without a cache both compute everything
+    out = await run_calls(engine(cache_tokens=0), ("first", same, 1, 0.0),
+                          ("twin", same, 1, 0.0))
     assert out["first"][1] == out["twin"][1] == 0
-    assert out["later"][1] == 96  # its 6 full blocks of 16 tokens
 
 
 async def test_a_cancelled_call_leaves_the_batch_and_the_others_go_on(

@@ -9,17 +9,19 @@ llama.cpp servers of 4 slots each (bench/README.md, "Judge economy"), least_load
 prefills cost it as much wall time as with one slot.
 
 ``engine: batched`` (:class:`BatchedEngine`) models continuous batching (iteration-level
-scheduling, as vLLM's scheduler does it): the engine runs steps; a call joins the running batch
-at the next step, finding its cached prefix then (:meth:`PrefixCache.lookup`); each step every
-call still prefilling computes up to what is left of a per-step token budget
-(``engine_step_tokens``, vLLM's ``max_num_batched_tokens``; chunked prefill, oldest call first)
-and every decoding call one token, which also counts against the budget. A step costs
+scheduling, as vLLM v1's scheduler does it): the engine runs steps; a call joins the running
+batch at the next step, finding its cached prefix then (:meth:`PrefixCache.lookup`); each step
+every decoding call computes one token and every call still prefilling up to what is left of a
+per-step token budget (``engine_step_tokens``, vLLM's ``max_num_batched_tokens``; chunked
+prefill, in the order the calls came). The full blocks a call computes in a step enter the
+cache when the step is planned, as vLLM registers a block when it schedules it, so a call that
+joins in the same step or later finds them: within one engine a shared prefix is computed once
+even by calls that arrive together (unless the cache evicted it). A step costs
 ``output_token_s`` (the forward pass itself: reading the weights, whatever the batch) plus
 ``prompt_token_s`` per prompt token computed in it. The step that finishes a call's prefill
-yields its first output token and puts its blocks in the cache; a call leaves the batch after
-its last output token. So decoding costs a step per token however many calls decode together,
-and a prefix computed by two calls at once (neither found it cached) costs twice, in the same
-steps. The batch holds at most ``capacity`` calls (the mock's limiter). Deterministic: the
+yields its first output token; a call leaves the batch after its last output token. So
+decoding costs a step per token however many calls decode together, and prefill is paid in
+the shared steps. The batch holds at most ``capacity`` calls (the mock's limiter). Deterministic: the
 order calls join is the only input besides the settings.
 
 The engine's loop is one task, owned by :func:`genrm_trio.mock.judge.run_mock_judge`'s nursery;
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import trio
 
-from genrm_trio.mock.prefix_cache import PrefixCache
+from genrm_trio.mock.prefix_cache import BLOCK_TOKENS, PrefixCache
 
 
 class _Call:
@@ -91,10 +93,9 @@ class BatchedEngine:
             if not self._joining and not self._running:
                 self._wake = trio.Event()
                 await self._wake.wait()
-            self._admit()
+            taken = self._plan()
             if not self._running:
                 continue
-            taken = self._plan()
             seconds = self.output_token_s + sum(taken.values()) * self.prompt_token_s
             self.steps += 1
             self.busy_s += seconds
@@ -102,26 +103,36 @@ class BatchedEngine:
             await trio.sleep(seconds)
             self._advance(taken)
 
-    def _admit(self) -> None:
+    def _plan(self) -> dict[_Call, int]:
+        """This step's prompt tokens per prefilling call, as vLLM's scheduler plans a step:
+        running decodes first (a token of the budget each), then running prefills, then the
+        calls that join, each in the order it came. A joining call finds its cached prefix now,
+        and every call registers the full blocks it computes in this step as it is planned
+        (vLLM caches a block when it is scheduled: its key is the tokens, and the forward pass
+        writes each layer's KV before attending), so a call planned after another in the same
+        step finds what that one computes."""
+        budget = self.step_tokens - sum(1 for c in self._running if c.prefill_left == 0)
+        taken: dict[_Call, int] = {}
+
+        def take(call: _Call) -> None:
+            nonlocal budget
+            if call.prefill_left > 0 and budget > 0:
+                tokens = min(call.prefill_left, budget)
+                taken[call] = tokens
+                budget -= tokens
+                done = call.tokens - call.prefill_left + tokens
+                self.cache.insert(call.keys[:done // BLOCK_TOKENS])
+
+        for call in self._running:
+            take(call)
         for call in self._joining:
             if call.gone:
                 continue
             call.cached = self.cache.lookup(call.keys, call.tokens)
             call.prefill_left = call.tokens - call.cached
             self._running.append(call)
+            take(call)
         self._joining.clear()
-
-    def _plan(self) -> dict[_Call, int]:
-        """This step's prompt tokens per prefilling call: decoding calls take one token of the
-        budget each first (vLLM schedules running decodes before new prefill), then prefills
-        in the order their calls joined."""
-        budget = self.step_tokens - sum(1 for c in self._running if c.prefill_left == 0)
-        taken: dict[_Call, int] = {}
-        for call in self._running:
-            if call.prefill_left > 0 and budget > 0:
-                take = min(call.prefill_left, budget)
-                taken[call] = take
-                budget -= take
         return taken
 
     def _advance(self, taken: dict[_Call, int]) -> None:
@@ -134,7 +145,6 @@ class BatchedEngine:
             elif call in taken:
                 call.prefill_left -= taken[call]
                 if call.prefill_left == 0:  # the prefill's last step yields the first token
-                    self.cache.insert(call.keys)
                     call.decode_left -= 1
             if call.prefill_left == 0 and call.decode_left <= 0:
                 call.done.set()

@@ -293,7 +293,8 @@ class Endpoints:
             home = self._lightest(ready)
             if affinity is not None:
                 affinity.endpoint = home
-        if home.limit is not None and home.has_free_slot():
+        if home.limit is not None and home.has_free_slot() and (
+                self._crowded(affinity) or not self._over(home, ready)):
             return home
         # With slots and few cohorts a full home spills to any free slot (no other work would
         # take it soon); otherwise only past the spill factor.
