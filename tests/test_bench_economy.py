@@ -114,6 +114,11 @@ def test_overrides_set_a_numeric_capacity_and_the_sweep_shape() -> None:
     assert [c.label for c in cases] == ["n8-k1-all_pairs-4ep-8192tok",
                                         "n8-k8-all_pairs-4ep-8192tok"]
     assert {c.params["cache_tokens"] for c in cases} == {8192}
+    batched = parse_economy_overrides(["engine=batched", "step_tokens=2048"])
+    command = _mock_command(batched)
+    assert "engine=batched" in command and "engine_step_tokens=2048" in command
+    assert economy_cases(batched)[0].label.endswith("-2ep-small-batched")
+    assert "engine=per_call" in _mock_command(EconomyParams())
     assert parse_economy_overrides(["cache=large"]).cache_tokens == PREFIX_CACHE_SIZES["large"]
     assert economy_cases(parse_economy_overrides(["cache=off"]))[0].label.endswith("-2ep-off")
 
@@ -133,6 +138,8 @@ def test_overrides_set_a_numeric_capacity_and_the_sweep_shape() -> None:
     ("replaced=9", "replaced"),
     ("latency_ms=-1", "latency_ms"),
     ("spill_factor=0.5", "spill_factor"),
+    ("engine=vllm", "engine: one of per_call, batched"),
+    ("step_tokens=0", "step_tokens"),
 ])
 def test_a_bad_override_is_refused_naming_the_key(item: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):

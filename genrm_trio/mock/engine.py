@@ -21,8 +21,8 @@ even by calls that arrive together (unless the cache evicted it). A step costs
 ``prompt_token_s`` per prompt token computed in it. The step that finishes a call's prefill
 yields its first output token; a call leaves the batch after its last output token. So
 decoding costs a step per token however many calls decode together, and prefill is paid in
-the shared steps. The batch holds at most ``capacity`` calls (the mock's limiter). Deterministic: the
-order calls join is the only input besides the settings.
+the shared steps. The batch holds at most ``capacity`` calls (the mock's limiter).
+Deterministic: the order calls join is the only input besides the settings.
 
 The engine's loop is one task, owned by :func:`genrm_trio.mock.judge.run_mock_judge`'s nursery;
 a call waits in :meth:`BatchedEngine.serve` and, if cancelled (its client went away), leaves the
