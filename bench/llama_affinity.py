@@ -189,7 +189,8 @@ def run_arm(args: argparse.Namespace, routing: str, repeat: int, logs: Path) -> 
             urls.append(url)
             judges.append(process)
         url, ours = start_ours(args, urls, routing, logs / f"{routing}-{repeat}-ours.log")
-        bodies = BodyFactory(seed=21, run_tag=f"llama{repeat}", prompt_chars=args.history_chars,
+        tag = "llama" if args.same_bodies else f"llama{repeat}"
+        bodies = BodyFactory(seed=21, run_tag=tag, prompt_chars=args.history_chars,
                              answer_chars=args.answer_chars)
         wall, rewards, status = trio.run(send_all, url, bodies, args.cohorts, args.n)
     finally:
@@ -224,6 +225,10 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=1,
                         help="xllamacpp only: slots per judge server (n_parallel, each of --n-ctx"
                              " tokens), also judge.max_concurrency_per_endpoint")
+    parser.add_argument("--same-bodies", action="store_true",
+                        help="every repeat sends the same bodies (default: new ones each), so"
+                             " one routing's repeats show whether the judge itself gives the"
+                             " same rewards twice")
     parser.add_argument("--kv-unified", action="store_true",
                         help="xllamacpp only: one KV buffer shared by the slots (kv_unified)")
     parser.add_argument("--cache-ram-mib", type=int, default=-1,
@@ -265,6 +270,12 @@ def main() -> int:
              for x, y in zip(ga, gb, strict=True) if x is not None and y is not None]
     differ = [abs(x - y) for x, y in pairs if x != y]
     (args.logs / "runs.json").write_text(json.dumps(runs, indent=1))
+    if args.same_bodies and args.repeats > 1:
+        for routing, arms in runs.items():
+            again = [(x, y) for ga, gb in zip(arms[0]["rewards"], arms[1]["rewards"], strict=True)
+                     for x, y in zip(ga, gb, strict=True) if x is not None and y is not None]
+            print(f"{routing}, repeat 0 against repeat 1 (same bodies, fresh judges): "
+                  f"{sum(x != y for x, y in again)} of {len(again)} rewards differ")
     if differ:
         print(f"rewards differ between the arms: {len(differ)} of {len(pairs)} members, "
               f"by up to {max(differ):.3g} (raw runs: {args.logs / 'runs.json'})",
