@@ -96,8 +96,6 @@ def start_judge(args: argparse.Namespace, core: int,
     else:
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host",
                "127.0.0.1", "--port", str(port), "--n_ctx", str(args.n_ctx), "--n_threads", "1"]
-        if args.slots != 1:
-            raise SystemExit("--slots: llama-cpp-python's server serves one call at a time")
     process = subprocess.Popen(["taskset", "-c", str(core), *cmd], stdout=log.open("wb"),
                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -209,6 +207,13 @@ def run_arm(args: argparse.Namespace, routing: str, repeat: int, logs: Path) -> 
             "first_failure": status["first_failure"]}
 
 
+def rewarded_pairs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[float, float]]:
+    """Two runs' rewards of the same members (cohort by cohort, slot by slot), where both
+    rewarded it."""
+    return [(x, y) for ga, gb in zip(a["rewards"], b["rewards"], strict=True)
+            for x, y in zip(ga, gb, strict=True) if x is not None and y is not None]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", choices=("xllamacpp", "llama-cpp-python"),
@@ -239,9 +244,12 @@ def main() -> int:
     args = parser.parse_args()
     low, high = (int(v) for v in args.answer_chars.split(","))
     args.answer_chars = (low, high)
-    args.logs.mkdir(parents=True, exist_ok=True)
     if args.slots < 1:
         parser.error("--slots must be >= 1")
+    if args.server != "xllamacpp" and (args.slots != 1 or args.kv_unified):
+        parser.error("--slots and --kv-unified need --server xllamacpp (llama-cpp-python's "
+                     "server serves one call at a time)")
+    args.logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.server}: 2 judges x 1 core x {args.slots} slot(s)"
           f"{' (kv_unified)' if args.kv_unified else ''}, SmolLM2-135M, {args.cohorts} cohorts of "
           f"{args.n} at once, {args.strategy}, ~{args.history_chars} chars of conversation, "
@@ -265,15 +273,13 @@ def main() -> int:
           f"{1 - walls['cohort_affinity'] / walls['least_loaded']:.0%} shorter "
           f"({walls['least_loaded']:.1f} s -> {walls['cohort_affinity']:.1f} s, median)")
     ok = all(a["failed"] == 0 for arms in runs.values() for a in arms)
-    pairs = [(x, y) for a, b in zip(runs["least_loaded"], runs["cohort_affinity"], strict=True)
-             for ga, gb in zip(a["rewards"], b["rewards"], strict=True)
-             for x, y in zip(ga, gb, strict=True) if x is not None and y is not None]
+    pairs = [pair for a, b in zip(runs["least_loaded"], runs["cohort_affinity"], strict=True)
+             for pair in rewarded_pairs(a, b)]
     differ = [abs(x - y) for x, y in pairs if x != y]
     (args.logs / "runs.json").write_text(json.dumps(runs, indent=1))
     if args.same_bodies and args.repeats > 1:
         for routing, arms in runs.items():
-            again = [(x, y) for ga, gb in zip(arms[0]["rewards"], arms[1]["rewards"], strict=True)
-                     for x, y in zip(ga, gb, strict=True) if x is not None and y is not None]
+            again = rewarded_pairs(arms[0], arms[1])
             print(f"{routing}, repeat 0 against repeat 1 (same bodies, fresh judges): "
                   f"{sum(x != y for x, y in again)} of {len(again)} rewards differ")
     if differ:

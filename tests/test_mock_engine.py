@@ -1,7 +1,7 @@
 """The mock judge's batched engine (``engine: batched``): calls that run together share one
 compute, so their prefills cost each other time while their decoding is batched; chunked
-prefill; two calls that both find a prefix cold both compute it; a cancelled call leaves the
-batch. All on trio's autojump clock."""
+prefill; calls that arrive together compute a shared prefix once (none, without a cache); a
+cancelled call leaves the batch. All on trio's autojump clock."""
 
 from __future__ import annotations
 
@@ -126,6 +126,23 @@ async def test_a_cancelled_call_leaves_the_batch_and_the_others_go_on(
         nursery.cancel_scope.cancel()
     assert done["new"][0] - start < 2.5 + 100 * PROMPT_S + 0.01
     assert batched.batch_peak == 2
+
+
+async def test_a_call_cancelled_mid_prefill_takes_nothing_of_the_next_step(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batched = engine(step_tokens=50)
+    done: dict[str, tuple[float, int]] = {}
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batched.run)
+        with trio.move_on_after(0.2):  # in the first step, half of its 100 tokens planned
+            await timed(batched, prompt("x"), 1, done, "gone")
+        await timed(batched, prompt("y"), 1, done, "next")
+        nursery.cancel_scope.cancel()
+    # the next call joins at the second step and has the whole budget of steps 2 and 3
+    assert "gone" not in done
+    assert done["next"][0] - start == pytest.approx(3 * (50 * PROMPT_S + STEP_S))
 
 
 async def run_calls_inside(batched: BatchedEngine, out: dict[str, tuple[float, int]]) -> None:

@@ -35,6 +35,9 @@ import trio
 
 from genrm_trio.mock.prefix_cache import BLOCK_TOKENS, PrefixCache
 
+#: The mock judge's time models (``engine`` setting; the economy preset's ``engine``).
+ENGINE_KINDS = ("per_call", "batched")
+
 
 class _Call:
     __slots__ = ("keys", "tokens", "decode_left", "prefill_left", "cached", "done", "gone")
@@ -50,8 +53,8 @@ class _Call:
 
 
 class BatchedEngine:
-    """Continuous batching over one :class:`PrefixCache` (module docstring). Counters:
-    ``steps`` and ``busy_s`` (seconds spent in steps), ``batch_peak`` (most calls in one step)."""
+    """Continuous batching over one :class:`PrefixCache` (module docstring). ``batch_peak``:
+    the most calls one step has run."""
 
     def __init__(self, cache: PrefixCache, prompt_token_s: float, output_token_s: float,
                  step_tokens: int) -> None:
@@ -64,8 +67,6 @@ class BatchedEngine:
         self._joining: list[_Call] = []
         self._running: list[_Call] = []
         self._wake = trio.Event()
-        self.steps = 0
-        self.busy_s = 0.0
         self.batch_peak = 0
 
     @property
@@ -97,8 +98,6 @@ class BatchedEngine:
             if not self._running:
                 continue
             seconds = self.output_token_s + sum(taken.values()) * self.prompt_token_s
-            self.steps += 1
-            self.busy_s += seconds
             self.batch_peak = max(self.batch_peak, len(self._running))
             await trio.sleep(seconds)
             self._advance(taken)

@@ -54,6 +54,7 @@ from genrm_trio.bench.loadgen import BodyFactory, CohortResult, H11Client, Membe
 from genrm_trio.bench.processes import launch_process
 from genrm_trio.bench.records import BenchContext, Case, RunRecord, apply_overrides
 from genrm_trio.bench.rig import READY_MOCK, READY_OURS
+from genrm_trio.mock.engine import ENGINE_KINDS
 from genrm_trio.mock.prefix_cache import (
     BLOCK_TOKENS,
     PREFIX_CACHE_SIZES,
@@ -62,10 +63,10 @@ from genrm_trio.mock.prefix_cache import (
     prompt_tokens,
     render_prompt,
 )
+from genrm_trio.mock.settings import MAX_STEP_TOKENS
 
 ROUTINGS = ("least_loaded", "cohort_affinity")
 STRATEGIES = ("circular", "all_pairs")
-ENGINES = ("per_call", "batched")
 PROMPT_CHARS = 6000  # about 1,500 tokens at 4 characters a token
 ANSWER_CHARS = (760, 840)  # about 200 tokens
 
@@ -74,8 +75,9 @@ ANSWER_CHARS = (760, 840)  # about 200 tokens
 class EconomyParams:
     """One economy sweep. Times per token are the mock engine's (seconds). ``cache``: each
     mock judge's prefix-cache capacity as its ``--prefix-cache`` takes it (``off``, ``small``,
-    ``large`` or a token count). Raises ``ValueError`` naming the field for a value the run
-    could not use."""
+    ``large`` or a token count). ``engine``: the mock judges' time model, ``per_call`` or
+    ``batched`` (:mod:`genrm_trio.mock.engine`; ``step_tokens`` its per-step budget).
+    Raises ``ValueError`` naming the field for a value the run could not use."""
 
     n: int = 8
     endpoints: int = 2
@@ -107,10 +109,11 @@ class EconomyParams:
         for key in ("prompt_token_s", "output_token_s", "latency_ms"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"{key}: a finite number >= 0")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine: one of {', '.join(ENGINES)}")
-        if not 1 <= self.step_tokens <= 2**20:
-            raise ValueError("step_tokens: in 1..1048576 (the mock's engine_step_tokens)")
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine: one of {', '.join(ENGINE_KINDS)}")
+        if not 1 <= self.step_tokens <= MAX_STEP_TOKENS:
+            raise ValueError(f"step_tokens: in 1..{MAX_STEP_TOKENS} (the mock's "
+                             "engine_step_tokens)")
         if not 1.0 <= self.spill_factor <= 16.0:
             raise ValueError("spill_factor: in [1, 16] (judge.affinity_spill_factor)")
 

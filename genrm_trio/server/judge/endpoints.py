@@ -17,14 +17,16 @@ one endpoint, its *home*, so the calls that share a prefix (conversation, princi
 comparison is issued: the ready endpoint with the fewest *outstanding prompt tokens* (waiting
 or in flight, each call estimated as its request body's bytes / 4, the mock judge's tokenizer
 rule), not the fewest calls. A comparison *spills* to the ready endpoint with the fewest
-outstanding tokens when its home has no free slot while another has one and either the
-registry holds fewer than two cohorts per endpoint (no other cohort would take that slot
-soon) or its home has more than ``judge.affinity_spill_factor`` times the mean over ready
-endpoints; a slot that frees on an endpoint with no waiting calls of its own takes waiting
-calls of the most loaded endpoint under the same rule. So affinity holds while the endpoints
-are within the factor of each other, and no endpoint idles while another one's queue is over
-it. A retry goes to the least loaded ready endpoint other than its last one (the home is kept);
-a cooling home is replaced by the least loaded ready endpoint.
+outstanding tokens when its home has more than ``judge.affinity_spill_factor`` times the mean
+over ready endpoints and either its home has no free slot while another has one or the
+registry holds fewer than two cohorts per endpoint (then even a home with free slots spills:
+an engine shares its compute between the calls it runs); and when its home has no free slot
+while another has one and the registry holds fewer than two cohorts per endpoint (no other
+cohort would take that slot soon); a slot that frees on an endpoint with no waiting calls of
+its own takes waiting calls of the most loaded endpoint under the same rule. So affinity holds
+while the endpoints are within the factor of each other, and no endpoint idles while another
+one's queue is over it. A retry goes to the least loaded ready endpoint other than its last
+one (the home is kept); a cooling home is replaced by the least loaded ready endpoint.
 
 With ``max_concurrency_per_endpoint``, each endpoint's waiting calls are served by what they
 would make the engine compute (:meth:`Endpoints._pick`), from what this process knows of each
@@ -293,12 +295,14 @@ class Endpoints:
             home = self._lightest(ready)
             if affinity is not None:
                 affinity.endpoint = home
-        if home.limit is not None and home.has_free_slot() and (
-                self._crowded(affinity) or not self._over(home, ready)):
+        over, crowded = self._over(home, ready), self._crowded(affinity)
+        # With slots a home keeps its calls while it has a free slot, unless few cohorts are
+        # active and it is past the spill factor (an engine shares its compute between the
+        # calls it runs). A full home spills, with few cohorts to any free slot (no other work
+        # would take it soon), otherwise only past the factor.
+        if home.limit is not None and home.has_free_slot() and (crowded or not over):
             return home
-        # With slots and few cohorts a full home spills to any free slot (no other work would
-        # take it soon); otherwise only past the spill factor.
-        if not self._over(home, ready) and (home.limit is None or self._crowded(affinity)):
+        if not over and (home.limit is None or crowded):
             return home
         free = [e for e in ready if e is not home and e.has_free_slot()
                 and not self._waits(e, affinity, prefix)]
