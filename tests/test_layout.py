@@ -7,6 +7,9 @@ arrow too), and checks three things:
 - no cycle between modules;
 - the tools (``bench``, ``mock``, ``torture``, ``demo``) are on top: nothing in ``server/``,
   ``caller/`` or the core imports one, and the server never imports the caller;
+- the trainer hooks (``integrations/``) stand beside the caller: nothing in ``server/``,
+  ``caller/`` or the core imports them, and they import only the core and each other (they talk
+  to the server over HTTP, never by import);
 - a tool package may use another tool package only by its public names (no ``_private`` name,
   no ``_private`` module).
 
@@ -63,11 +66,11 @@ def tool_of(module: str) -> str | None:
 
 
 def side_of(module: str) -> str:
-    """``tool``, ``server``, ``caller``, ``cli`` or ``core``."""
+    """``tool``, ``server``, ``caller``, ``integrations``, ``cli`` or ``core``."""
     parts = module.split(".")
     if tool_of(module):
         return "tool"
-    if len(parts) > 1 and parts[1] in ("server", "caller", "cli"):
+    if len(parts) > 1 and parts[1] in ("server", "caller", "integrations", "cli"):
         return parts[1]
     return "core"
 
@@ -114,6 +117,10 @@ def violations(modules: dict[str, Path] | None = None) -> list[str]:
                 out.append(f"{module} ({side}) imports the tool {target}")
             if side == "server" and side_of(target) == "caller":
                 out.append(f"{module} (server) imports the caller {target}")
+            if side in ("server", "caller", "core") and side_of(target) == "integrations":
+                out.append(f"{module} ({side}) imports the trainer hook {target}")
+            if side == "integrations" and side_of(target) not in ("core", "integrations"):
+                out.append(f"{module} (integrations) imports {side_of(target)}'s {target}")
             mine, theirs = tool_of(module), tool_of(target)
             if mine and theirs and mine != theirs:
                 private_module = any(p.startswith("_") for p in target.split("."))
@@ -126,7 +133,8 @@ def violations(modules: dict[str, Path] | None = None) -> list[str]:
 def test_the_walk_sees_the_packages() -> None:
     modules = all_modules()
     assert {"genrm_trio.bench.cli", "genrm_trio.mock.judge", "genrm_trio.torture.local",
-            "genrm_trio.server.app", "genrm_trio.caller.collect"} <= set(modules)
+            "genrm_trio.server.app", "genrm_trio.caller.collect", "genrm_trio.integrations.client",
+            "genrm_trio.integrations.trl"} <= set(modules)
     g = graph(modules)
     assert ("genrm_trio.bench.loadgen", "") in g["genrm_trio.bench.rig"]
     # a lazy import inside a function counts
@@ -152,5 +160,19 @@ def test_the_check_catches_bad_arrows(tmp_path: Path) -> None:
         "genrm_trio.errors (core) imports the tool genrm_trio.mock.http"]
     assert planted("genrm_trio.demo", "from genrm_trio.mock.judge import _Server") == [
         "genrm_trio.demo imports mock's private genrm_trio.mock.judge._Server"]
+    assert planted("genrm_trio.server.app", "import genrm_trio.integrations.client") == [
+        "genrm_trio.server.app (server) imports the trainer hook genrm_trio.integrations.client"]
+    assert planted("genrm_trio.caller.collect",
+                   "from genrm_trio.integrations.trl import GenRMReward") == [
+        "genrm_trio.caller.collect (caller) imports the trainer hook genrm_trio.integrations.trl"]
+    assert planted("genrm_trio.wire", "from genrm_trio.integrations import client") == [
+        "genrm_trio.wire (core) imports the trainer hook genrm_trio.integrations.client"]
+    assert planted("genrm_trio.integrations.trl",
+                   "from genrm_trio.server.cohort import CohortRegistry") == [
+        "genrm_trio.integrations.trl (integrations) imports server's genrm_trio.server.cohort"]
+    assert planted("genrm_trio.integrations.client", "import genrm_trio.caller.collect") == [
+        "genrm_trio.integrations.client (integrations) imports caller's genrm_trio.caller.collect"]
+    assert planted("genrm_trio.integrations.client", "from genrm_trio.mock import judge") == [
+        "genrm_trio.integrations.client (integrations) imports tool's genrm_trio.mock.judge"]
     (cycle,) = planted("genrm_trio.bench.records", "from genrm_trio.bench.run import run_bench")
     assert cycle.startswith("import cycle: ") and "genrm_trio.bench.records" in cycle
