@@ -26,8 +26,8 @@ argument, a bound method of the trainer); the server's ``num_rollouts_per_prompt
 
 **The group key** is the same string on every process: ``trl:<run>:<mode>:s<global step>:
 c<call>:g<group>:<tag>``. ``run`` is ``run_id``, or a fresh random id made by process 0 and
-broadcast to the others when the object is built (so every launch, including a resumed one, names
-new cohorts); ``call`` counts this object's calls (every process calls it once per generation
+broadcast to the others at the first call (so every launch, including a resumed one, names new
+cohorts); ``call`` counts this object's calls (every process calls it once per generation
 round, train or eval, so the count agrees; the global step alone repeats when a step generates
 more than once); ``group`` is the group's index in the global batch; ``tag`` is the value of
 ``id_column`` when given, else the first 12 hex digits of the prompt's sha256. The same prompt
@@ -148,14 +148,15 @@ class GenRMReward:
                               args=GRPOConfig(num_generations=8, ...), train_dataset=...)
 
     Build it on every process, before or after the trainer (with several processes and no
-    ``run_id``, building it is a collective: process 0's random run id is broadcast). The
+    ``run_id``, its first call is a collective: process 0's random run id is broadcast). The
     object keeps no connection between calls: each call opens a
     :class:`~genrm_trio.integrations.client.GenRMClient` on the loop it runs on and closes it,
     so it works on whichever loop TRL gives it and pickles as plain data. ``token`` /
     ``token_env``, ``max_connections``, ``wait_s``, ``slack_s``, ``connect_timeout_s`` and
     ``transport_retries`` go to the client (see its docstring); ``transport_factory`` makes the
     httpx2 transport of each call's client (tests). ``process_index`` and ``num_processes``
-    default to accelerate's ``PartialState``.
+    default to the trainer's accelerator (read at the first call), else accelerate's
+    ``PartialState``.
     """
 
     def __init__(
@@ -190,22 +191,21 @@ class GenRMReward:
             raise ValueError(f"run_id must have 1 to {MAX_RUN_ID_CHARS} characters")
         if (process_index is None) != (num_processes is None):
             raise ValueError("give both process_index and num_processes, or neither")
-        if process_index is None or num_processes is None:
-            process_index, num_processes = _accelerate_process()
-        if not 0 <= process_index < num_processes:
+        if process_index is not None and num_processes is not None and not (
+                0 <= process_index < num_processes):
             raise ValueError(f"process_index {process_index} not in [0, {num_processes})")
-        if run_id is None:
-            run_id = _shared_run_id(num_processes)
         # TRL names a reward function by its __name__ (rewards/<name>/mean in the logs).
         self.__name__ = name
         self.url = url
         self.num_generations = num_generations
         self.num_generations_eval = num_generations_eval or num_generations
-        self.run_id = run_id
+        self.run_id: str | None = run_id
         self.id_column = id_column
         self.principle_column = principle_column
-        self.process_index = process_index
-        self.num_processes = num_processes
+        # Read at the first call when not given: the trainer's accelerator knows them (its
+        # distributed state may not exist yet when this object is built).
+        self.process_index: int | None = process_index
+        self.num_processes: int | None = num_processes
         self.calls = 0
         self._client_options: dict[str, Any] = {
             "token": token, "token_env": token_env, "max_connections": max_connections,
@@ -232,6 +232,7 @@ class GenRMReward:
         """One reward (or None) per completion of this process's slice, in order. Blocks (on
         the caller's loop, never a thread) until every group of the slice has its outcome;
         raises :class:`~genrm_trio.integrations.client.ClientError` on a refusal."""
+        self._resolve(log_metric)
         call = self.calls
         self.calls += 1
         training = self._training(log_metric)
@@ -263,6 +264,7 @@ class GenRMReward:
         """The members of this process's slice (see the module docstring for the layout and
         the key). Pure: no I/O. Raises ``ValueError`` when the slice does not fit the layout
         (lengths, a group whose rows hold different prompts, which means N is wrong)."""
+        assert self.process_index is not None and self.num_processes is not None
         size = len(prompts)
         if len(completions) != size:
             raise ValueError(f"{len(completions)} completions for {size} prompts")
@@ -306,6 +308,22 @@ class GenRMReward:
         return members
 
     # ------------------------------------------------------------------ helpers
+
+    def _resolve(self, log_metric: Any) -> None:
+        """At the first call: the process layout (the trainer's accelerator, reached through
+        ``log_metric``, else accelerate's ``PartialState``) and, without a ``run_id``, a fresh
+        one: process 0's, broadcast to the others (a collective; every process makes its first
+        call at the same point of training, while the training threads wait)."""
+        if self.process_index is None or self.num_processes is None:
+            accelerator = getattr(getattr(log_metric, "__self__", None), "accelerator", None)
+            index = getattr(accelerator, "process_index", None)
+            count = getattr(accelerator, "num_processes", None)
+            if isinstance(index, int) and isinstance(count, int):
+                self.process_index, self.num_processes = index, count
+            else:
+                self.process_index, self.num_processes = _accelerate_process()
+        if self.run_id is None:
+            self.run_id = _shared_run_id(self.num_processes)
 
     def _training(self, log_metric: Any) -> bool:
         """True while training: the trainer's ``model.training``, reached through
