@@ -12,6 +12,7 @@ of the rewards the server answered (and logged) for that step.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -27,10 +28,13 @@ import trio
 
 from tests.process_helpers import REPO, serve_process
 
-pytestmark = pytest.mark.trl
-INSTALL = "needs torch and the [trl] extra: python3 -m pip install torch 'genrm-trio[trl]'"
-pytest.importorskip("torch", reason=INSTALL)
-pytest.importorskip("trl", reason=INSTALL)
+# Looked up, not imported: TRL runs only in the training subprocess, and importing torch here
+# would load it into every pytest session that collects this file.
+MISSING = [name for name in ("torch", "trl", "accelerate")
+           if importlib.util.find_spec(name) is None]
+pytestmark = [pytest.mark.trl, pytest.mark.skipif(
+    bool(MISSING), reason=f"needs {', '.join(MISSING)}: python3 -m pip install torch "
+    "'genrm-trio[trl]'")]
 
 N = 4
 SCRIPT = REPO / "tests" / "trl_tiny_grpo.py"
