@@ -146,6 +146,10 @@ async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> N
     for name in ("rss_start_mb", "rss_mid_mb", "rss_end_mb", "rss_slope_mb_per_min",
                  "fds_start", "fds_mid", "fds_end", "fds_slope_per_min"):
         assert name in record.metrics, name
+    # Not gated here (no keep-alive wait), but the census ran at every instant.
+    assert notes["leak_gate"]["gated"] is False and notes["leak_gate"]["idle_wait_s"] == 0.0
+    assert notes["fd_classes"]["idle_before"].get("tcp listen LISTEN") == 1, notes["fd_classes"]
+    assert record.metrics["idle_fds_before"] > 3
     assert notes["leftover"] == {"active cohorts": 0, "waiters": 0,
                                  "error lines in the server log": 0}, notes["logged_errors"]
 

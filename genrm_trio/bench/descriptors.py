@@ -45,7 +45,8 @@ def parse_tcp_table(text: str) -> dict[int, tuple[int, int, str]]:
 
 
 def _inodes(path: str) -> set[int]:
-    """The inodes of a ``/proc/net`` table whose inode column is ``inode_col``."""
+    """The inodes of a ``/proc/net`` table (``unix``: 7th column; ``udp``: 10th); empty when
+    it cannot be read."""
     try:
         with open(path, encoding="ascii") as f:
             lines = f.read().splitlines()[1:]

@@ -21,11 +21,13 @@ on a request that did not hang up on purpose, a 4xx to a well-formed member) is 
 
 The run fails (``failed_checks`` in its notes: ``genrm-trio bench`` exits 1) on any unexpected
 answer, on RSS growth over the measured window beyond ``max(rss_tolerance_fraction x RSS at the
-window's start, rss_tolerance_mb)``, on open-descriptor growth (median of the window's last
-tenth minus median of its first tenth, the judge pool's connections left out: the pool keeps up
-to its idle cap after a burst) beyond ``fd_tolerance``, on a cohort or waiter left behind once
+window's start, rss_tolerance_mb)``, on a leak (:func:`leak_checks`: descriptors by class,
+judge sockets the pool does not hold, cohorts, on the idle server after the load's clients
+closed and the keep-alive timeout passed against the idle server before the load; the
+descriptors counted during the load are figures only), on a cohort or waiter left behind once
 the load has stopped, or on an ERROR line in the server's log. The growth checks gate only
-with ``gate_growth`` (the preset): how much a run of a few seconds grows depends on how many
+with ``gate_growth`` (the preset; a smoke run does not wait out the keep-alive for the leak
+census either): how much a run of a few seconds grows depends on how many
 requests the machine sends in them, so a smoke run reports growth without gating on it and
 checks only what holds at any speed (no unexpected answer, nothing left over, no error
 line). The window starts after ``warm_fraction`` of the run: records and the judge connection
@@ -421,7 +423,10 @@ def soak_case(
     the abandoned cohorts wait it out. ``gate_growth=False`` (smoke runs) reports RSS and
     descriptor growth without failing on it. A run of at least ``slope_gate_min_s`` gates RSS
     on the slope of its last half (under ``rss_slope_limit_mb_per_min``) instead of its growth
-    over the window. See the module docstring for what passes. Ours only.
+    over the window. The leak census waits ``keep_alive_wait_s`` after the load's clients
+    closed (default: the server's keep-alive timeout plus 5 s when gating, else none) and
+    allows ``connection_slack`` more descriptors of a class than before the load. See the
+    module docstring for what passes. Ours only.
 
     Diagnostics (bench/README.md, "Memory for hours"): ``tracemalloc_frames`` > 0 starts the
     server with ``PYTHONTRACEMALLOC`` and records tracemalloc's top growers (by traceback,
@@ -768,7 +773,7 @@ _OVERRIDE_TYPES: Mapping[str, type] = {
     "disconnect_fraction": float, "abandon_fraction": float, "hostile_fraction": float,
     "sample_s": float, "warm_fraction": float, "capacity_verifies_per_s": float,
     "tracemalloc_frames": int, "trace_s": float, "rss_slope_limit_mb_per_min": float,
-    "slope_gate_min_s": float,
+    "slope_gate_min_s": float, "connection_slack": int, "keep_alive_wait_s": float,
 }
 
 
