@@ -146,6 +146,10 @@ async def test_soak_smoke_run_passes_its_checks_and_reports(tmp_path: Path) -> N
     for name in ("rss_start_mb", "rss_mid_mb", "rss_end_mb", "rss_slope_mb_per_min",
                  "fds_start", "fds_mid", "fds_end", "fds_slope_per_min"):
         assert name in record.metrics, name
+    # Not gated here (no keep-alive wait), but the census ran at every instant.
+    assert notes["leak_gate"]["gated"] is False and notes["leak_gate"]["idle_wait_s"] == 0.0
+    assert notes["fd_classes"]["idle_before"].get("tcp listen LISTEN") == 1, notes["fd_classes"]
+    assert record.metrics["idle_fds_before"] > 3
     assert notes["leftover"] == {"active cohorts": 0, "waiters": 0,
                                  "error lines in the server log": 0}, notes["logged_errors"]
 
@@ -157,7 +161,7 @@ def _samples(rss_mb: list[float], fds: list[int]) -> list[SoakSample]:
 
 def test_soak_checks_fail_on_growth_unexpected_answers_and_leftovers() -> None:
     kwargs: dict[str, Any] = {"warm_fraction": 0.2, "rss_tolerance_mb": 16.0,
-                              "rss_tolerance_fraction": 0.1, "fd_tolerance": 64}
+                              "rss_tolerance_fraction": 0.1}
     idle = {"active cohorts": 0, "waiters": 0}
     flat = _samples([200.0 + (i % 3) for i in range(50)], [300 + (i % 7) for i in range(50)])
     figures, failed = soak_checks(flat, unexpected=0, leftover=idle, **kwargs)
@@ -169,20 +173,18 @@ def test_soak_checks_fail_on_growth_unexpected_answers_and_leftovers() -> None:
     growing = _samples([100.0] * 10 + [200.0 + i * 0.55 for i in range(40)], [300] * 50)
     _, failed = soak_checks(growing, unexpected=0, leftover=idle, **kwargs)
     assert len(failed) == 1 and failed[0].startswith("RSS grew"), failed
+    # Descriptors during the load are figures, not a gate (leak_checks, on the idle process,
+    # is): a busy process holds what its clients keep open.
     leaking = _samples([200.0] * 50, [300 + 2 * i for i in range(50)])
-    _, failed = soak_checks(leaking, unexpected=0, leftover=idle, **kwargs)
-    assert len(failed) == 1 and failed[0].startswith("open descriptors"), failed
-    # Ungated (a smoke run), the same growth is reported and fails nothing else.
-    figures, failed = soak_checks(leaking, unexpected=0, leftover=idle, gate_growth=False,
-                                  **kwargs)
+    figures, failed = soak_checks(leaking, unexpected=0, leftover=idle, **kwargs)
     assert failed == [] and figures["fds_growth"] > 64
     _, failed = soak_checks(growing, unexpected=2, leftover=idle, gate_growth=False, **kwargs)
     assert failed == ["2 unexpected answers (see notes.unexpected_examples)"]
-    # The same growth, all of it judge connections (a pool filling to its idle cap): passes.
+    # The same growth, all of it judge connections, is left out of the figure.
     pooled = [SoakSample(x.t_s, x.rss_bytes, x.fds, judge_connections=2 * i)
               for i, x in enumerate(leaking)]
-    _, failed = soak_checks(pooled, unexpected=0, leftover=idle, **kwargs)
-    assert failed == []
+    figures, _ = soak_checks(pooled, unexpected=0, leftover=idle, **kwargs)
+    assert figures["fds_growth"] == 0
     _, failed = soak_checks(flat, unexpected=3, leftover={"active cohorts": 1, "waiters": 0},
                             **kwargs)
     assert failed == ["3 unexpected answers (see notes.unexpected_examples)",
@@ -261,7 +263,7 @@ def test_rss_fit_is_the_least_squares_line_of_the_last_half() -> None:
 def test_long_soak_gates_on_the_last_half_slope_instead_of_the_growth() -> None:
     kwargs: dict[str, Any] = {"unexpected": 0, "leftover": {}, "warm_fraction": 0.2,
                               "rss_tolerance_mb": 16.0, "rss_tolerance_fraction": 0.1,
-                              "fd_tolerance": 64}
+                              }
     # 40 MB of growth over the first half (caches filling), then flat with noise: the long
     # run's gate passes, the short run's growth gate would not.
     plateau = _minutes([100.0 + 40.0 * min(i, 30) / 30 + (i % 2) * 0.3 for i in range(61)])

@@ -21,11 +21,13 @@ on a request that did not hang up on purpose, a 4xx to a well-formed member) is 
 
 The run fails (``failed_checks`` in its notes: ``genrm-trio bench`` exits 1) on any unexpected
 answer, on RSS growth over the measured window beyond ``max(rss_tolerance_fraction x RSS at the
-window's start, rss_tolerance_mb)``, on open-descriptor growth (median of the window's last
-tenth minus median of its first tenth, the judge pool's connections left out: the pool keeps up
-to its idle cap after a burst) beyond ``fd_tolerance``, on a cohort or waiter left behind once
+window's start, rss_tolerance_mb)``, on a leak (:func:`leak_checks`: descriptors by class,
+judge sockets the pool does not hold, cohorts, on the idle server after the load's clients
+closed and the keep-alive timeout passed against the idle server before the load; the
+descriptors counted during the load are figures only), on a cohort or waiter left behind once
 the load has stopped, or on an ERROR line in the server's log. The growth checks gate only
-with ``gate_growth`` (the preset): how much a run of a few seconds grows depends on how many
+with ``gate_growth`` (the preset; a smoke run does not wait out the keep-alive for the leak
+census either): how much a run of a few seconds grows depends on how many
 requests the machine sends in them, so a smoke run reports growth without gating on it and
 checks only what holds at any speed (no unexpected answer, nothing left over, no error
 line). The window starts after ``warm_fraction`` of the run: records and the judge connection
@@ -54,12 +56,16 @@ import msgspec
 import trio
 
 from genrm_trio.bench import loadgen
+from genrm_trio.bench.descriptors import fd_census
 from genrm_trio.bench.loadgen import BodyFactory, LoadPlan, percentile
 from genrm_trio.bench.records import BenchContext, Case, JudgeSettings, RunRecord, ServerSettings
 from genrm_trio.bench.rig import Rig, _rig
+from genrm_trio.config import Config
+from genrm_trio.server.serve import _hypercorn_config
 
 __all__ = [
-    "SoakSample", "hostile_requests", "last_half", "memory_figures", "parse_soak_overrides",
+    "CONNECTION_SLACK", "IdleSnapshot", "SoakSample", "hostile_requests", "last_half",
+    "leak_checks", "memory_figures", "parse_soak_overrides",
     "rss_fit", "soak_case", "soak_checks",
 ]
 
@@ -138,13 +144,14 @@ def soak_checks(
     warm_fraction: float,
     rss_tolerance_mb: float,
     rss_tolerance_fraction: float,
-    fd_tolerance: int,
     gate_growth: bool = True,
     rss_slope_limit_mb_per_min: float | None = None,
     load_end_s: float | None = None,
 ) -> tuple[dict[str, float], list[str]]:
-    """The soak's resource figures and its failed checks (empty: passed); RSS and descriptor
-    growth are failed checks only with ``gate_growth``.
+    """The soak's resource figures during the load and its failed checks (empty: passed); RSS
+    growth is a failed check only with ``gate_growth``. Descriptors during the load are
+    figures only (a busy process holds as many as its clients keep open): their gate is
+    :func:`leak_checks`, on the idle process.
 
     ``rss_last_half_slope_mb_per_min`` is the least-squares slope of RSS over the last half of
     the load (samples up to ``load_end_s``, default all). With ``rss_slope_limit_mb_per_min``
@@ -205,10 +212,68 @@ def soak_checks(
     figures["fds_growth"] = fds_growth
     figures["judge_connections_end"] = float(last.judge_connections)
     figures["judge_connections_max"] = float(max(s.judge_connections for s in window))
-    if gate_growth and fds_growth > fd_tolerance:
-        failed.append(f"open descriptors (judge connections left out) grew by "
-                      f"{fds_growth:.0f} (allowed {fd_tolerance})")
     return figures, failed
+
+
+CONNECTION_SLACK = 2
+"""How many more descriptors of one class the idle server may hold after the load than before
+it: the soak's own ``/status`` connection is open at neither census, but a client that
+connects meanwhile (a probe, a scrape) or a connection a moment from its close may be; a leak
+is one descriptor a request or a connection (hundreds in a soak), not two."""
+
+_COHORT_KEYS = ("active_cohorts", "collecting", "evaluating", "waiters", "active_bytes")
+
+
+@dataclass(frozen=True)
+class IdleSnapshot:
+    """The server at rest: its descriptors by class (:func:`~genrm_trio.bench.descriptors.
+    fd_census`), ``/status``'s cohort counts and the judge connections its pool holds."""
+
+    fds: Mapping[str, int]
+    cohorts: Mapping[str, int]
+    judge_connections: int = 0
+
+
+def leak_checks(
+    before: IdleSnapshot, after: IdleSnapshot, *, slack: int = CONNECTION_SLACK,
+) -> tuple[dict[str, float], list[str], list[str]]:
+    """Compare the idle server after the load (its clients closed, the keep-alive timeout
+    passed) with the idle server before it: (figures, failed checks, one report line per
+    class compared). Fails on a descriptor class (a TCP role and state, pipes, files...) that
+    grew by more than ``slack``; on judge sockets beyond the connections the judge pool says
+    it holds plus ``slack`` (the pool keeps up to its idle cap by design: what it does not
+    know of is a leak); on any cohort, waiter or active byte more than before. Pure."""
+    failed: list[str] = []
+    report: list[str] = []
+    classes = sorted(set(before.fds) | set(after.fds))
+    for name in classes:
+        if name.startswith("tcp judge "):
+            continue
+        was, now = before.fds.get(name, 0), after.fds.get(name, 0)
+        report.append(f"fds {name}: before {was}, after {now} (allowed {was + slack})")
+        if now - was > slack:
+            failed.append(f"{now - was} more '{name}' descriptors once idle after the load "
+                          f"than before it ({was} -> {now}, allowed +{slack})")
+    judge = sum(v for k, v in after.fds.items() if k.startswith("tcp judge "))
+    report.append(f"fds tcp judge (all states): after {judge}, the pool holds "
+                  f"{after.judge_connections} (allowed {after.judge_connections + slack})")
+    if judge - after.judge_connections > slack:
+        failed.append(f"{judge} judge sockets open once idle, the judge pool holds "
+                      f"{after.judge_connections} (allowed +{slack})")
+    for key in _COHORT_KEYS:
+        was, now = before.cohorts.get(key, 0), after.cohorts.get(key, 0)
+        report.append(f"cohorts {key}: before {was}, after {now} (allowed {was})")
+        if now > was:
+            failed.append(f"cohorts: {key} {was} before the load, {now} once idle after it")
+    total_before, total_after = sum(before.fds.values()), sum(after.fds.values())
+    figures = {
+        "idle_fds_before": float(total_before),
+        "idle_fds_after": float(total_after),
+        "idle_fds_after_minus_judge": float(total_after - judge),
+        "idle_judge_sockets_after": float(judge),
+        "idle_accepted_close_wait_after": float(after.fds.get("tcp accepted CLOSE_WAIT", 0)),
+    }
+    return figures, failed, report
 
 
 def hostile_requests(n: int, max_compare_responses: int) -> list[tuple[str, bytes]]:
@@ -335,7 +400,8 @@ def soak_case(
     warm_fraction: float = 0.2,
     rss_tolerance_mb: float = 16.0,
     rss_tolerance_fraction: float = 0.10,
-    fd_tolerance: int = 64,
+    connection_slack: int = CONNECTION_SLACK,
+    keep_alive_wait_s: float | None = None,
     max_compare_responses: int = 128,
     collection_timeout_s: float = 30.0,
     gate_growth: bool = True,
@@ -357,7 +423,10 @@ def soak_case(
     the abandoned cohorts wait it out. ``gate_growth=False`` (smoke runs) reports RSS and
     descriptor growth without failing on it. A run of at least ``slope_gate_min_s`` gates RSS
     on the slope of its last half (under ``rss_slope_limit_mb_per_min``) instead of its growth
-    over the window. See the module docstring for what passes. Ours only.
+    over the window. The leak census waits ``keep_alive_wait_s`` after the load's clients
+    closed (default: the server's keep-alive timeout plus 5 s when gating, else none) and
+    allows ``connection_slack`` more descriptors of a class than before the load. See the
+    module docstring for what passes. Ours only.
 
     Diagnostics (bench/README.md, "Memory for hours"): ``tracemalloc_frames`` > 0 starts the
     server with ``PYTHONTRACEMALLOC`` and records tracemalloc's top growers (by traceback,
@@ -371,7 +440,8 @@ def soak_case(
         "disconnect_fraction": disconnect_fraction, "abandon_fraction": abandon_fraction,
         "hostile_fraction": hostile_fraction, "sample_s": sample_s,
         "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
-        "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
+        "rss_tolerance_fraction": rss_tolerance_fraction,
+        "connection_slack": connection_slack, "keep_alive_wait_s": keep_alive_wait_s,
         "max_compare_responses": max_compare_responses,
         "collection_timeout_s": collection_timeout_s, "gate_growth": gate_growth,
         "slope_gate_min_s": slope_gate_min_s,
@@ -380,6 +450,8 @@ def soak_case(
         "server_sets": server_sets,
     }
     slope_limit = rss_slope_limit_mb_per_min if duration_s >= slope_gate_min_s else None
+    idle_wait_s = (keep_alive_wait_s if keep_alive_wait_s is not None
+                   else _server_keep_alive_s() + _KEEP_ALIVE_MARGIN_S if gate_growth else 0.0)
     env = dict(server_env)
     if tracemalloc_frames > 0:
         env["PYTHONTRACEMALLOC"] = str(tracemalloc_frames)
@@ -389,9 +461,11 @@ def soak_case(
         "disconnect_fraction": disconnect_fraction, "abandon_fraction": abandon_fraction,
         "hostile_fraction": hostile_fraction, "sample_s": sample_s,
         "warm_fraction": warm_fraction, "rss_tolerance_mb": rss_tolerance_mb,
-        "rss_tolerance_fraction": rss_tolerance_fraction, "fd_tolerance": fd_tolerance,
+        "rss_tolerance_fraction": rss_tolerance_fraction,
+        "connection_slack": connection_slack, "keep_alive_wait_s": keep_alive_wait_s,
         "collection_timeout_s": collection_timeout_s, "gate_growth": gate_growth,
         "rss_slope_limit_mb_per_min": slope_limit, "tracemalloc_frames": tracemalloc_frames,
+        "idle_wait_s": idle_wait_s,
         "server_env": env, "server_sets": dict(server_sets),
     }
     settings = ServerSettings(
@@ -414,6 +488,8 @@ def soak_case(
         bodies = BodyFactory(seed=23, run_tag=rig.run_tag)
         host, port = rig.server.host_port
         pid = rig.server.pid
+        peers = {rig.judge.host_port[1]: "judge"}
+        before = await _idle_snapshot(rig, pid, peers)
         capacity = capacity_verifies_per_s
         if capacity is None:
             plan = LoadPlan(n=n, k=capacity_k, max_cohorts=1_000_000, duration_s=capacity_s,
@@ -565,11 +641,30 @@ def soak_case(
             await sample()
             watch.cancel_scope.cancel()
         load_s = time.perf_counter() - started
+        census_load_end = fd_census(pid, peers)
         await rig.client.aclose()
+        closed_at = time.perf_counter()
         leftover = await _idle_status(rig, collection_timeout_s + 30.0)
         if bounded.cancelled_caught:
             leftover["requests unanswered at the drain bound"] = 1
         fds_idle = loadgen.count_fds(pid)
+        census_closed = fd_census(pid, peers)
+        closed_s = time.perf_counter() - closed_at
+        # The leak gate's census: the load's clients closed, the server's keep-alive timeout
+        # passed, so every connection the server still holds is one it should not.
+        await rig.client.aclose()  # the connection _idle_status used
+        quiet_at = time.perf_counter()
+        timeline: list[dict[str, float]] = []
+        while (waited := time.perf_counter() - quiet_at) < idle_wait_s:
+            census = fd_census(pid, peers)
+            timeline.append({"t_s": round(time.perf_counter() - closed_at, 1),
+                             "fds": float(sum(census.values())),
+                             **{k: float(v) for k, v in census.items()
+                                if k.startswith("tcp accepted")}})
+            await trio.sleep(min(5.0, idle_wait_s - waited))
+        after = await _idle_snapshot(rig, pid, peers)
+        leak_figures, leak_failed, leak_report = leak_checks(before, after,
+                                                             slack=connection_slack)
         await rig.judge_client.request(
             "POST", "/admin/fault", _encode({"fault": "none", "count": None, "rate": 0.0}))
         judge_stats = msgspec.json.decode((await rig.judge_client.get("/admin/stats")).body)
@@ -578,9 +673,11 @@ def soak_case(
         figures, failed = soak_checks(
             samples, unexpected=tally.unexpected, leftover=leftover,
             warm_fraction=warm_fraction, rss_tolerance_mb=rss_tolerance_mb,
-            rss_tolerance_fraction=rss_tolerance_fraction, fd_tolerance=fd_tolerance,
+            rss_tolerance_fraction=rss_tolerance_fraction,
             gate_growth=gate_growth, rss_slope_limit_mb_per_min=slope_limit,
             load_end_s=duration_s)
+        if gate_growth:
+            failed += leak_failed
         third = duration_s / 3
         early = [s for t, s in tally.latencies if t < third]
         late = [s for t, s in tally.latencies if t >= 2 * third]
@@ -599,6 +696,10 @@ def soak_case(
             "latency_p50_ms_last_third": 1000 * percentile(late, 0.5),
             "latency_p99_ms_last_third": 1000 * percentile(late, 0.99),
             "fds_idle_after": float(fds_idle),
+            "fds_idle_after_s": closed_s,
+            "accepted_close_wait_after_close": float(
+                census_closed.get("tcp accepted CLOSE_WAIT", 0)),
+            **leak_figures,
             "judge_calls": float(judge_stats.get("calls", 0)),
             "judge_faults_injected": float(sum(judge_stats.get("faults_injected", {}).values())),
             **figures,
@@ -608,6 +709,13 @@ def soak_case(
             "unexpected_examples": tally.examples,
             "faults_injected": judge_stats.get("faults_injected", {}),
             "failed_checks": failed,
+            "leak_gate": {"compared": leak_report, "failed": leak_failed,
+                          "gated": gate_growth, "idle_wait_s": idle_wait_s},
+            "fd_classes": {"idle_before": dict(sorted(before.fds.items())),
+                           "load_end": dict(sorted(census_load_end.items())),
+                           "clients_closed": dict(sorted(census_closed.items())),
+                           "idle_after": dict(sorted(after.fds.items()))},
+            "idle_timeline": timeline,
             "leftover": leftover,
             "logged_errors": errors[:_EXAMPLES],
             "memory_end": dict(samples[-1].memory) if samples else {},
@@ -665,7 +773,7 @@ _OVERRIDE_TYPES: Mapping[str, type] = {
     "disconnect_fraction": float, "abandon_fraction": float, "hostile_fraction": float,
     "sample_s": float, "warm_fraction": float, "capacity_verifies_per_s": float,
     "tracemalloc_frames": int, "trace_s": float, "rss_slope_limit_mb_per_min": float,
-    "slope_gate_min_s": float,
+    "slope_gate_min_s": float, "connection_slack": int, "keep_alive_wait_s": float,
 }
 
 
@@ -705,6 +813,30 @@ def _logged_errors(path: Path | None) -> list[str]:
     text = path.read_text(errors="replace")
     return [line[:300] for line in text.splitlines()
             if '"level":"ERROR"' in line or " ERROR " in line or line.startswith("Traceback")]
+
+
+_KEEP_ALIVE_MARGIN_S = 5.0
+"""Waited past the server's keep-alive timeout before the leak census: Hypercorn's idle timer
+runs from a connection's last answer, and a shared machine may run it a little late."""
+
+
+def _server_keep_alive_s() -> float:
+    """The keep-alive timeout ``genrm-trio serve`` gives Hypercorn (serve.py: no config key)."""
+    return float(_hypercorn_config(Config()).keep_alive_timeout)
+
+
+async def _idle_snapshot(rig: Rig, pid: int, peers: Mapping[int, str]) -> IdleSnapshot:
+    """The idle server: its descriptors counted first (the soak's client closed: its own
+    ``/status`` connection is in neither census), then ``/status``'s cohorts and judge
+    connections."""
+    await rig.client.aclose()
+    fds = fd_census(pid, peers)
+    status = msgspec.json.decode((await rig.client.get("/status")).body)
+    judge = sum(int(e.get("clients") or 0) for e in status.get("judge", {}).get("endpoints", []))
+    cohorts = {k: int(v) for k, v in (status.get("cohorts") or {}).items()
+               if isinstance(v, int) and k in _COHORT_KEYS}
+    await rig.client.aclose()
+    return IdleSnapshot(dict(fds), cohorts, judge)
 
 
 async def _idle_status(rig: Rig, limit_s: float) -> dict[str, int]:
