@@ -23,6 +23,8 @@ import math
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 
 import msgspec
@@ -55,6 +57,9 @@ from genrm_trio.server.tracing import (
 )
 
 logger = logging.getLogger(__name__)
+
+JOURNAL_FLUSH_S = 2.0
+"""The journal's drain bound when the server stops without a graceful shutdown."""
 
 
 def _hypercorn_config(cfg: Config) -> HypercornConfig:
@@ -115,6 +120,7 @@ async def run_server(
         journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
                    else None)
         async with (
+            _journal_writer(journal, drain),
             open_judge(cfg, observer=metrics) as judge,
             CohortRegistry.open(cfg, judge, journal, observer=metrics,
                                 tracer=tracer) as registry,
@@ -129,6 +135,22 @@ async def run_server(
         # Last, so the cohort spans that shutdown ended go out too; within the deadline's
         # cleanup allowance (or FLUSH_BOUND_S when the server stopped early).
         await close_tracer(tracer, min(FLUSH_BOUND_S, drain.remaining_s() + CLEANUP_S / 2))
+
+
+@asynccontextmanager
+async def _journal_writer(journal: Journal | None, drain: ShutdownDeadline,
+                          ) -> AsyncIterator[None]:
+    """The journal's writer (server/journal.py) for the server's lifetime, outside the
+    registry, so records the shutdown writes are committed too. On leaving, it drains the
+    queue and closes the file within the deadline's first share of the cleanup allowance (at
+    most ``JOURNAL_FLUSH_S`` when the server stops without a shutdown): a stalled disk then
+    loses the records not yet committed, never the deadline."""
+    if journal is None:
+        yield
+        return
+    async with journal.writing(
+            lambda: min(JOURNAL_FLUSH_S, drain.remaining_s() + CLEANUP_S / 4), close=True):
+        yield
 
 
 async def _serve_in(
