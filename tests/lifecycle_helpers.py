@@ -115,13 +115,15 @@ async def run_inline(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 @asynccontextmanager
-async def open_registry(cfg: Config, judge: Any, journal: Any = None
+async def open_registry(cfg: Config, judge: Any, journal: Any = None,
+                        run_sync: Callable[..., Any] | None = run_inline,
                         ) -> AsyncIterator[CohortRegistry]:
-    """A registry in its own nursery. On exit, asserts nothing leaked: no active cohort, no
-    waiter, no cohort task left (only retained records may remain)."""
+    """A registry in its own nursery (with ``journal``: inside the journal's writer, as
+    `serve` runs it, each blocking call run by ``run_sync``). On exit, asserts nothing leaked:
+    no active cohort, no waiter, no cohort task left (only retained records may remain)."""
     async with AsyncExitStack() as stack:
-        if journal is not None:  # its writer, as `serve` runs it, with commits inline
-            await stack.enter_async_context(journal.writing(run_sync=run_inline))
+        if journal is not None:
+            await stack.enter_async_context(journal.writing(run_sync=run_sync))
         registry = await stack.enter_async_context(CohortRegistry.open(cfg, judge, journal))
         yield registry
         await trio.testing.wait_all_tasks_blocked()
