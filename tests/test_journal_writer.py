@@ -151,6 +151,7 @@ async def test_a_stalled_disk_degrades_after_the_bound_and_answers_go_out(
     degraded_logs = [r for r in caplog.records if r.levelno == logging.ERROR
                      and "degraded" in r.getMessage()]
     assert len(degraded_logs) == 1
+    assert journal._abandoned  # its call was left running: `close` must not wait for it
     journal.close()  # does nothing: the abandoned call may still hold the connection
     journal._db.close()
 

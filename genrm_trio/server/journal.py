@@ -404,11 +404,12 @@ class Journal:
             self._release_all()  # nothing will confirm them any more
 
     async def _call(self, run_sync: RunSync, fn: Callable[..., Any], *args: Any) -> Any:
+        # Left set when the call is cancelled: its thread, abandoned, may still use the
+        # connection (`close` then leaves it alone).
         self._in_thread = True
-        try:
-            return await run_sync(fn, *args)
-        finally:
-            self._in_thread = False
+        result = await run_sync(fn, *args)
+        self._in_thread = False
+        return result
 
     async def _write_queued(self, run_sync: RunSync, close: bool) -> None:
         """The writer task: commit everything queued, one transaction at a time, until the
