@@ -13,12 +13,37 @@ read-only or locked database, a value SQLite cannot store) is logged, counted an
 answers still go out. The journal stays degraded (a sticky flag with the last error) until the
 process restarts, because a failed write means the file no longer mirrors memory.
 
-**What survives.** Writes are small statements in autocommit mode on a WAL database. With
-``state_sync: normal`` (SQLite ``synchronous=NORMAL``) a killed process (SIGKILL, OOM, crash) loses
-nothing that was written: the WAL is in the OS page cache. A power loss or kernel crash can lose the
-last commits before the most recent WAL checkpoint sync (records of cohorts that finished in the
-last moments), never corrupt the file. ``state_sync: full`` fsyncs every commit (``synchronous=
-FULL``), which survives power loss at the cost of one fsync per finished cohort.
+**The loop never waits for the disk.** Every write (``put_*``, ``delete_*``) is queued on the
+Trio thread and returns at once; the writer (:meth:`Journal.writing`, run by ``serve`` around the
+registry) takes everything queued, writes it as one transaction in a worker thread and commits
+it (group commit: one commit, and with ``state_sync: full`` one sync, for everything that queued
+while the previous commit ran), then wakes what waited for it. WAL checkpoints run in the writer
+too, after every :data:`CHECKPOINT_COMMITS` commits (SQLite's automatic checkpoint, which runs
+inside a commit, is off). The queue is bounded (:data:`MAX_QUEUED_STATEMENTS`).
+
+**What survives.** The waiters of a cohort whose record is kept are released once the commit
+holding that record is confirmed (``CohortRegistry._release``), and a member answered from a
+record or a watermark waits for whatever is still queued: an answer never goes out before its
+record is committed. With ``state_sync: normal`` (SQLite ``synchronous=NORMAL``) a commit is in
+the WAL, in the OS page cache: a killed process (SIGKILL, OOM, crash) loses no answered record,
+only what was queued and not yet committed (records of cohorts whose waiters had not been
+answered yet). A power loss or kernel crash can lose the last commits before the most recent
+checkpoint sync, never corrupt the file. With ``state_sync: full`` (``synchronous=FULL``) each
+commit is synced, so an answered record survives power loss too; a client waits for one group
+commit: the one in progress when its record was queued (if any), then its own, i.e. one to two
+sync latencies (plus a checkpoint's when one runs), shared by everything queued meanwhile.
+
+**A stalled or full writer degrades, never the serving.** An answer waits at most
+:data:`STALL_S` for its commit: then the journal degrades ("the disk is stalled") and everything
+waiting is released, and from then on nothing waits for the journal (it no longer mirrors
+memory). A write that finds the queue full is dropped and degrades the journal at once. When
+the writer stops (shutdown), it drains the queue and closes the file within the bound its owner
+gives (``serve``: the shutdown deadline's cleanup allowance); past it the worker thread is
+abandoned (it holds the connection until the process ends) and what was still queued or being
+committed is lost, as a ``kill -9`` at that moment would lose it, and counted in the degraded
+journal's last error. The promises above hold while the journal is not degraded: once it is,
+answers no longer wait for it, and records answered since may be missing from the file
+(``degraded`` in ``/status`` says so; restart once the disk is fixed).
 
 **Reload validates.** Every row is checked on start (key shape, digests and rewards matching the
 configured cohort size, finite rewards, a well-formed failure, a non-negative attempt; a partial
@@ -28,10 +53,11 @@ sha256 key and finite scores within their scales); a bad row (a changed
 ``num_rollouts_per_prompt``, a hand-edited or foreign file) is skipped, never trusted, and the
 number skipped is logged in one warning.
 
-Writes are done inline on the Trio thread: about tens of microseconds each, once per finished
-cohort (and once per verdict the judge returns, with ``verdict_reuse`` on), cheaper than handing
-them to a thread. Work that touches many rows (a mass expiry) is one transaction. Written by hand
-over the standard library's sqlite3: the schema is three tables.
+Without a running writer (tools, tests) each write is one transaction at once on the caller's
+thread. Reads (the reload) happen on the Trio thread before the writer has anything to write;
+the connection is then only the writer's, one call at a time (``check_same_thread=False``).
+Written by hand over the standard library's sqlite3 (the schema is three tables), with
+``trio.to_thread`` for the worker thread: no library does group commit for us.
 """
 
 from __future__ import annotations

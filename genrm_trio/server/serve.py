@@ -1,7 +1,10 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
 Ownership: :func:`run_server` resolves the machine-dependent config defaults (``max_active_bytes:
-auto``, server/memory_limit.py), opens the judge (its HTTP clients), then the registry (which owns
+auto``, server/memory_limit.py), runs the journal's writer with ``state_dir`` (server/journal.py:
+its worker thread commits what the registry queues; it outlives the registry, so the shutdown's
+writes are committed too, and drains within the deadline's cleanup allowance), opens the judge
+(its HTTP clients), then the registry (which owns
 its own nursery, where every cohort task lives), then the root nursery that runs Hypercorn and,
 with ``probe_port`` set, the probe listener beside it (server/probes.py). A cohort's failure stays
 inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is one
