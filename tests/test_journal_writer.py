@@ -152,6 +152,7 @@ async def test_a_stalled_disk_degrades_after_the_bound_and_answers_go_out(
                      and "degraded" in r.getMessage()]
     assert len(degraded_logs) == 1
     assert journal._abandoned  # its call was left running: `close` must not wait for it
+    assert journal.put_watermark("late", 0, "a" * 64, 0.0) is None  # dropped, never waited
     journal.close()  # does nothing: the abandoned call may still hold the connection
     journal._db.close()
 

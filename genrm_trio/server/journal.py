@@ -334,6 +334,9 @@ class Journal:
                 f"more than {MAX_QUEUED_STATEMENTS} statements waiting for the disk: "
                 f"{len(group)} dropped"))
             return None
+        if self._abandoned:  # its thread may still hold the connection: never wait for it
+            self._degrade(JournalStalled("the writer's thread was abandoned: write dropped"))
+            return None
         self._ticket += 1
         if not self._writing:  # no writer (tools, tests): written inline, as one transaction
             error = self._transaction(group)
