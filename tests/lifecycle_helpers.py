@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -106,12 +106,25 @@ def reference_rewards(cfg: Config, texts: list[str], prompt: str = PROMPT) -> li
     return rewards
 
 
+async def run_inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """The journal writer's seam (Journal.writing's ``run_sync``) for the autojump clock: the
+    blocking call runs on the Trio thread after a checkpoint. In a worker thread, the clock
+    would jump past every deadline while SQLite works."""
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
 @asynccontextmanager
-async def open_registry(cfg: Config, judge: Any, journal: Any = None
+async def open_registry(cfg: Config, judge: Any, journal: Any = None,
+                        run_sync: Callable[..., Any] | None = run_inline,
                         ) -> AsyncIterator[CohortRegistry]:
-    """A registry in its own nursery. On exit, asserts nothing leaked: no active cohort, no
-    waiter, no cohort task left (only retained records may remain)."""
-    async with CohortRegistry.open(cfg, judge, journal) as registry:
+    """A registry in its own nursery (with ``journal``: inside the journal's writer, as
+    `serve` runs it, each blocking call run by ``run_sync``). On exit, asserts nothing leaked:
+    no active cohort, no waiter, no cohort task left (only retained records may remain)."""
+    async with AsyncExitStack() as stack:
+        if journal is not None:
+            await stack.enter_async_context(journal.writing(run_sync=run_sync))
+        registry = await stack.enter_async_context(CohortRegistry.open(cfg, judge, journal))
         yield registry
         await trio.testing.wait_all_tasks_blocked()
         snap = registry.snapshot()

@@ -54,18 +54,19 @@ class ServeProcess:
 @asynccontextmanager
 async def serve_process(
     settings: list[str], log_path: Path, *, judge_urls: tuple[str, ...] = (),
-    python_path: tuple[Path, ...] = (),
+    python_path: tuple[Path, ...] = (), extra_env: dict[str, str] | None = None,
 ) -> AsyncIterator[ServeProcess]:
     """Start ``genrm-trio serve --port 0`` with ``--set`` items ``settings``; yield once it
     prints its ``listening on`` line. ``python_path`` is put in front of ``PYTHONPATH`` (for a
-    judge plugin module). On exit the process is killed (SIGKILL) by PID if it is still
-    running: the test decides how it should end."""
+    judge plugin module); ``extra_env`` adds environment variables (a preloaded library). On
+    exit the process is killed (SIGKILL) by PID if it is still running: the test decides how
+    it should end."""
     args = [sys.executable, "-m", "genrm_trio.cli", "serve", "--port", "0"]
     for item in settings:
         args += ["--set", item]
     for url in judge_urls:
         args += ["--judge-url", url]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if python_path:
         env["PYTHONPATH"] = os.pathsep.join(
             [*map(str, python_path), *filter(None, [env.get("PYTHONPATH")])])

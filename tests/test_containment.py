@@ -374,11 +374,12 @@ async def test_a_mass_expiry_is_one_transaction(
         journal._db.set_trace_callback(None)
     deletes = [c for c in commits if c.startswith("DELETE FROM records")]
     assert len(deletes) == 20
-    # The 20 deletions sit between one BEGIN and one COMMIT.
+    # The 20 deletions sit in one transaction (the writer's group commit may hold more).
     first = commits.index(deletes[0])
     last = commits.index(deletes[-1])
-    assert "BEGIN" in commits[first - 1] and "COMMIT" in commits[last + 1]
-    assert not any("COMMIT" in c for c in commits[first:last])
+    assert any("BEGIN" in c for c in commits[:first])
+    assert any("COMMIT" in c for c in commits[last:])
+    assert not any("COMMIT" in c or "BEGIN" in c for c in commits[first:last])
     assert [r.key.group_id for r in journal.records(N)] == ["late"]
     journal.close()
 

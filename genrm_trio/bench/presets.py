@@ -18,6 +18,7 @@ from genrm_trio.bench.cases.judge_client import judge_client_case
 from genrm_trio.bench.cases.load import load_case, staggered_case
 from genrm_trio.bench.cases.release import release_case
 from genrm_trio.bench.cases.scaleout import scaleout_case
+from genrm_trio.bench.cases.slow_disk import slow_disk_cases
 from genrm_trio.bench.cases.soak import soak_case
 from genrm_trio.bench.cases.steady_state import steady_state_case
 from genrm_trio.bench.cases.step import step_cases
@@ -92,15 +93,16 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "flood": _flood_cases,
     "economy": economy_cases,
     "tracing": lambda: [tracing_case()],
+    "slow_disk": slow_disk_cases,
 })
 
 
 """Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak``, ``flood``
-(which fills the server's memory budget on purpose) and ``tracing`` (which needs the ``[otel]``
-extra), in order."""
+(which fills the server's memory budget on purpose), ``tracing`` (which needs the ``[otel]``
+extra) and ``slow_disk`` (which needs ``cc`` for its LD_PRELOAD shim), in order."""
 
 
-NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing"})
+NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing", "slow_disk"})
 
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
@@ -200,6 +202,9 @@ SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "one_failed_members",
         "two_failed_members",
     ),
+    "slow_disk": ("rewarded", "cohorts", "cohort_p50_ms", "cohort_p99_ms", "cohort_max_ms",
+                  "probe_p50_ms", "probe_p99_ms", "probe_max_ms", "journal_commits",
+                  "journal_degraded"),
     "staggered": ("makespan_s", "latency_p50_ms", "latency_p99_ms", "cpu_ms_per_cohort"),
     "flood": (
         "verifies_per_s",

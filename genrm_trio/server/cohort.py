@@ -447,6 +447,11 @@ class CohortRegistry:
         of members waiting, each frame costs a few hundred bytes per waiter (issue 21)."""
         admitted = self._admit(member)
         if not isinstance(admitted, tuple):
+            if (self._journal is not None and (isinstance(admitted, Rewarded)
+                                               or admitted.kind not in _UNRECORDED)):
+                # Read from a record or watermark: answered once what made it is committed
+                # (nothing waits when nothing is queued).
+                await self._journal.committed()
             self.counters[_outcome_label(admitted)] += 1
             return admitted
         cohort, duplicate = admitted
@@ -993,9 +998,9 @@ class CohortRegistry:
                            f"{cohort.dropped_pairs} early ones dropped by the re-plan")
         if self._observer is not None:
             self._observer.cohort_scored(cohort.size, len(scored))
-        self._retire(cohort)
+        kept = self._retire(cohort)
         self.counters["cohorts_completed"] += 1
-        cohort.release()
+        self._release(cohort, kept)
 
     # ------------------------------------------------------------------ failure & retention
 
@@ -1008,9 +1013,9 @@ class CohortRegistry:
         # Judge calls already started (finished or still in flight) are lost with the cohort.
         self.counters["comparisons_wasted"] += len(cohort.started_pairs) - cohort.reused
         self._disposed(cohort, failure.kind, bound_text(failure.detail, 300))
-        self._retire(cohort)
+        kept = self._retire(cohort)
         self.counters[f"cohorts_failed_{failure.kind}"] += 1
-        cohort.release()
+        self._release(cohort, kept)
         cohort.scope.cancel()
         return True
 
@@ -1057,8 +1062,19 @@ class CohortRegistry:
             self._observer.cohort_done(kind, collection_s, evaluation_s,
                                        cohort.scored is not None)
 
-    def _retire(self, cohort: Cohort) -> None:
-        """Move a cohort that just became terminal out of the active set, keep its record."""
+    def _release(self, cohort: Cohort, kept: bool) -> None:
+        """Wake the waiters of a cohort that just became terminal: with a journal and a kept
+        record, once the writer confirms the commit holding it (server/journal.py: synced
+        with ``state_sync: full``; at once when the journal is degraded, at the latest after
+        its stall bound); otherwise now."""
+        if kept and self._journal is not None:
+            self._journal.after_commit(cohort.release)
+        else:
+            cohort.release()
+
+    def _retire(self, cohort: Cohort) -> bool:
+        """Move a cohort that just became terminal out of the active set, keep its record.
+        Returns whether a record was kept."""
         key = cohort.key
         now = trio.current_time()
         del self._active[key]
@@ -1100,6 +1116,7 @@ class CohortRegistry:
                     self._idle_groups[group_id] = None
                     self._idle_groups.move_to_end(group_id)
         self._prune(now)
+        return keep
 
     def _prune(self, now: float) -> None:
         """Evict expired or over-cap records and idle watermarks, oldest first. O(1) amortised:
@@ -1187,6 +1204,10 @@ def _conflict(key: identity.CohortKey, slot: int, where: str) -> Failure:
         409, "conflict",
         f"{identity.describe(key)}: slot {slot} of {where} already holds a different response",
     )
+
+
+_UNRECORDED = frozenset({"overloaded", "shutdown"})
+"""Refusals at admission that no journaled state decided."""
 
 
 def _overloaded(why: str) -> Failure:

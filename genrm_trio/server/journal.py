@@ -13,12 +13,37 @@ read-only or locked database, a value SQLite cannot store) is logged, counted an
 answers still go out. The journal stays degraded (a sticky flag with the last error) until the
 process restarts, because a failed write means the file no longer mirrors memory.
 
-**What survives.** Writes are small statements in autocommit mode on a WAL database. With
-``state_sync: normal`` (SQLite ``synchronous=NORMAL``) a killed process (SIGKILL, OOM, crash) loses
-nothing that was written: the WAL is in the OS page cache. A power loss or kernel crash can lose the
-last commits before the most recent WAL checkpoint sync (records of cohorts that finished in the
-last moments), never corrupt the file. ``state_sync: full`` fsyncs every commit (``synchronous=
-FULL``), which survives power loss at the cost of one fsync per finished cohort.
+**The loop never waits for the disk.** Every write (``put_*``, ``delete_*``) is queued on the
+Trio thread and returns at once; the writer (:meth:`Journal.writing`, run by ``serve`` around the
+registry) takes everything queued, writes it as one transaction in a worker thread and commits
+it (group commit: one commit, and with ``state_sync: full`` one sync, for everything that queued
+while the previous commit ran), then wakes what waited for it. WAL checkpoints run in the writer
+too, after every :data:`CHECKPOINT_COMMITS` commits (SQLite's automatic checkpoint, which runs
+inside a commit, is off). The queue is bounded (:data:`MAX_QUEUED_STATEMENTS`).
+
+**What survives.** The waiters of a cohort whose record is kept are released once the commit
+holding that record is confirmed (``CohortRegistry._release``), and a member answered from a
+record or a watermark waits for whatever is still queued: an answer never goes out before its
+record is committed. With ``state_sync: normal`` (SQLite ``synchronous=NORMAL``) a commit is in
+the WAL, in the OS page cache: a killed process (SIGKILL, OOM, crash) loses no answered record,
+only what was queued and not yet committed (records of cohorts whose waiters had not been
+answered yet). A power loss or kernel crash can lose the last commits before the most recent
+checkpoint sync, never corrupt the file. With ``state_sync: full`` (``synchronous=FULL``) each
+commit is synced, so an answered record survives power loss too; a client waits for one group
+commit: the one in progress when its record was queued (if any), then its own, i.e. one to two
+sync latencies (plus a checkpoint's when one runs), shared by everything queued meanwhile.
+
+**A stalled or full writer degrades, never the serving.** An answer waits at most
+:data:`STALL_S` for its commit: then the journal degrades ("the disk is stalled") and everything
+waiting is released, and from then on nothing waits for the journal (it no longer mirrors
+memory). A write that finds the queue full is dropped and degrades the journal at once. When
+the writer stops (shutdown), it drains the queue and closes the file within the bound its owner
+gives (``serve``: the shutdown deadline's cleanup allowance); past it the worker thread is
+abandoned (it holds the connection until the process ends) and what was still queued or being
+committed is lost, as a ``kill -9`` at that moment would lose it, and counted in the degraded
+journal's last error. The promises above hold while the journal is not degraded: once it is,
+answers no longer wait for it, and records answered since may be missing from the file
+(``degraded`` in ``/status`` says so; restart once the disk is fixed).
 
 **Reload validates.** Every row is checked on start (key shape, digests and rewards matching the
 configured cohort size, finite rewards, a well-formed failure, a non-negative attempt; a partial
@@ -28,10 +53,11 @@ sha256 key and finite scores within their scales); a bad row (a changed
 ``num_rollouts_per_prompt``, a hand-edited or foreign file) is skipped, never trusted, and the
 number skipped is logged in one warning.
 
-Writes are done inline on the Trio thread: about tens of microseconds each, once per finished
-cohort (and once per verdict the judge returns, with ``verdict_reuse`` on), cheaper than handing
-them to a thread. Work that touches many rows (a mass expiry) is one transaction. Written by hand
-over the standard library's sqlite3: the schema is three tables.
+Without a running writer (tools, tests) each write is one transaction at once on the caller's
+thread. Reads (the reload) happen on the Trio thread before the writer has anything to write;
+the connection is then only the writer's, one call at a time (``check_same_thread=False``).
+Written by hand over the standard library's sqlite3 (the schema is three tables), with
+``trio.to_thread`` for the worker thread: no library does group commit for us.
 """
 
 from __future__ import annotations
@@ -41,10 +67,15 @@ import logging
 import math
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Any
+
+import trio
 
 from genrm_trio.errors import GenRMError
 from genrm_trio.identity import CohortKey
@@ -84,6 +115,18 @@ CREATE INDEX IF NOT EXISTS verdicts_seq ON verdicts (seq);
 FILE_NAME = "genrm-trio-state.sqlite3"
 
 _MAX_ERROR_CHARS = 300
+
+MAX_QUEUED_STATEMENTS = 16_384
+"""At most this many statements wait for the disk; past it a write is dropped and the journal
+degrades (a few MB of queued rows: minutes of a 20-cohorts-a-second load)."""
+STALL_S = 5.0
+"""An answer waits at most this long for the commit of its record; past it the journal degrades
+(stalled) and everything waiting is released."""
+CHECKPOINT_COMMITS = 64
+"""The writer checkpoints the WAL (PASSIVE) after this many commits (SQLite's own automatic
+checkpoint, which would run inside a commit, is off)."""
+FLUSH_S = 5.0
+"""How long :meth:`Journal.writing` drains the queue on leaving, unless told otherwise."""
 _FAILURE_FIELDS = MappingProxyType({"status": int, "kind": str, "detail": str, "masked": bool})
 
 
@@ -155,10 +198,30 @@ def _failure_from_text(text: str) -> dict[str, Any]:
     return failure
 
 
+class JournalStalled(GenRMError):
+    """A commit was not confirmed within :data:`STALL_S` (the disk is stalled)."""
+
+
+class JournalQueueFull(GenRMError):
+    """More than :data:`MAX_QUEUED_STATEMENTS` statements waited for the disk."""
+
+
+Statements = list[tuple[str, tuple[Any, ...]]]
+RunSync = Callable[..., Awaitable[Any]]
+"""How the writer runs a blocking call: ``await run_sync(fn, *args)``. The default runs it in a
+worker thread of the journal's own (one-thread) limiter; tests may run it inline (a seam)."""
+
+
 class Journal:
-    """One SQLite file in ``state_dir``. Owned by ``serve`` (opened before the registry, closed
-    after it). Writes never raise (see the module docstring); :meth:`open` raises
-    :class:`JournalError` when the file cannot be opened at all."""
+    """One SQLite file in ``state_dir``. Owned by ``serve`` (opened before the registry, its
+    writer run by :meth:`writing` around the registry, closed after it). Writes never raise
+    and never block (see the module docstring); :meth:`open` raises :class:`JournalError`
+    when the file cannot be opened at all.
+
+    Every ``put_*`` / ``delete_*`` call appends one group of statements to the queue (the
+    Trio thread only) and returns its ticket; :meth:`after_commit` runs a callback once
+    everything queued so far is committed. Without a running writer (:meth:`writing`),
+    each group is written at once on the caller's thread (tools, tests)."""
 
     def __init__(self, connection: sqlite3.Connection, path: str) -> None:
         self._db = connection
@@ -172,6 +235,24 @@ class Journal:
             "UNION ALL SELECT max(seq) FROM watermarks UNION ALL SELECT max(seq) FROM verdicts)"
         ).fetchone()
         self._seq = int(row[0] or 0)
+        # The queue (touched by the Trio thread only): groups of statements by ticket.
+        self._queue: deque[tuple[int, Statements]] = deque()
+        self._queued_statements = 0
+        self._ticket = 0  # the last ticket handed out
+        self._committed = 0  # every ticket up to this one is committed (or its write failed)
+        # Callbacks waiting for a commit: (ticket, stall deadline, callback), ticket order.
+        self._gates: deque[tuple[int, float, Callable[[], None]]] = deque()
+        self._queued = trio.Event()  # set when the queue gains a group (wakes the writer)
+        self._gated = trio.Event()  # set when a callback starts to wait (wakes the watch)
+        self._in_thread = False  # a call of the writer runs in its worker thread
+        self._in_flight = 0  # statements of the commit in progress
+        self._writing = False  # a writer runs (inside `writing`)
+        self._closing = False  # the writer drains the queue and ends
+        self._abandoned = False  # the writer's thread was left behind at the deadline
+        self._closed = False
+        self.commits = 0
+        self.checkpoints = 0
+        self.largest_batch = 0
 
     @classmethod
     def open(cls, state_dir: str, sync: str = "normal") -> Journal:
@@ -179,12 +260,16 @@ class Journal:
         try:
             os.makedirs(state_dir, exist_ok=True)
             path = os.path.join(state_dir, FILE_NAME)
-            # timeout=0: a locked database fails the write at once (degraded) instead of
-            # stalling the event loop in SQLite's busy wait.
+            # check_same_thread=False: the writer's worker thread uses it, one call at a time,
+            # after the reload's reads on the Trio thread. timeout=0: a locked database fails
+            # the write at once (degraded) instead of waiting in SQLite's busy loop.
             connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
                                          timeout=0)
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
+            # Checkpoints are the writer's, after a commit is confirmed (CHECKPOINT_COMMITS),
+            # never inside a commit that answers wait for.
+            connection.execute("PRAGMA wal_autocheckpoint=0")
             connection.executescript(SCHEMA)
             columns = {r[1] for r in connection.execute("PRAGMA table_info(watermarks)")}
             if "finished" not in columns:  # files written before result_expired existed
@@ -195,6 +280,12 @@ class Journal:
             raise JournalError(f"cannot open state_dir {state_dir!r}: {exc}") from exc
 
     def close(self) -> None:
+        """Close the file (synchronous; once :meth:`writing` has ended, when it did not close
+        it). Does nothing once the writer's thread was abandoned (it still holds the
+        connection) or the writer closed it."""
+        if self._closed or self._abandoned:
+            return
+        self._closed = True
         try:
             self._db.close()
         except sqlite3.Error as exc:  # closing must not turn a clean stop into a crash
@@ -208,6 +299,10 @@ class Journal:
             "failed_writes": self.failed_writes,
             "last_error": self.last_error,
             "skipped_rows_at_reload": self.skipped_rows,
+            "queued_statements": self._queued_statements,
+            "commits": self.commits,
+            "checkpoints": self.checkpoints,
+            "largest_batch": self.largest_batch,
         }
 
     def _next_seq(self) -> int:
@@ -221,10 +316,196 @@ class Journal:
             logger.error("state journal %s degraded, memory stays the truth: %s", self.path, text)
         self.degraded = True
         self.last_error = text
+        if self._gates:  # nothing waits for a journal that no longer mirrors memory
+            self._release_all()
 
-    def _write(self, statements: Iterable[tuple[str, tuple[Any, ...]]]) -> bool:
-        """Run ``statements`` as one transaction. Never raises: a failure degrades the journal
-        (logged once, counted) and returns False."""
+    # the queue (Trio thread) -------------------------------------------------------------
+
+    def _write(self, statements: Iterable[tuple[str, tuple[Any, ...]]]) -> int | None:
+        """Queue ``statements`` as one group (written in the writer's next commit, in order).
+        Never raises, never blocks: a full queue degrades the journal (logged once, counted)
+        and the group is dropped (None); otherwise returns its ticket. Without a running
+        writer the group is written at once, on the caller's thread."""
+        group = list(statements)
+        if not group:
+            return None
+        if self._queued_statements + len(group) > MAX_QUEUED_STATEMENTS:
+            self._degrade(JournalQueueFull(
+                f"more than {MAX_QUEUED_STATEMENTS} statements waiting for the disk: "
+                f"{len(group)} dropped"))
+            return None
+        if self._abandoned:  # its thread may still hold the connection: never wait for it
+            self._degrade(JournalStalled("the writer's thread was abandoned: write dropped"))
+            return None
+        self._ticket += 1
+        if not self._writing:  # no writer (tools, tests): written inline, as one transaction
+            error = self._transaction(group)
+            if error is not None:
+                self._degrade(error)
+            self._committed = self._ticket
+            return self._ticket
+        self._queue.append((self._ticket, group))
+        self._queued_statements += len(group)
+        self._queued.set()
+        return self._ticket
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (synchronous, on the Trio thread) once everything queued so far is
+        committed: at once when it already is, when no writer runs, or when the journal is
+        degraded; at the latest :data:`STALL_S` from now (then the journal degrades: stalled).
+        The commit is synced to disk with ``state_sync: full``."""
+        if self._committed >= self._ticket or not self._writing or self.degraded:
+            callback()
+            return
+        self._gates.append((self._ticket, trio.current_time() + STALL_S, callback))
+        self._gated.set()
+
+    async def committed(self) -> None:
+        """Wait until everything queued so far is committed (see :meth:`after_commit`);
+        returns without a checkpoint when nothing is pending."""
+        if self._committed >= self._ticket or not self._writing or self.degraded:
+            return
+        event = trio.Event()
+        self.after_commit(event.set)
+        await event.wait()
+
+    def _release_committed(self) -> None:
+        gates = self._gates
+        while gates and gates[0][0] <= self._committed:
+            gates.popleft()[2]()
+
+    def _release_all(self) -> None:
+        gates = self._gates
+        while gates:
+            gates.popleft()[2]()
+
+    # the writer ----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def writing(self, flush_bound_s: Callable[[], float] = lambda: FLUSH_S, *,
+                      close: bool = False, run_sync: RunSync | None = None,
+                      ) -> AsyncIterator[Journal]:
+        """Run the journal's writer for the lifetime of the block: one task (in a nursery of
+        its own) that takes everything queued, commits it as one transaction in a worker
+        thread (one sync with ``state_sync: full``), then releases what waited for it; and a
+        second that degrades the journal when a commit is not confirmed within
+        :data:`STALL_S`. On leaving, the writer drains the queue (and closes the file, with
+        ``close``) within ``flush_bound_s()`` seconds, read then: past it the worker thread
+        is abandoned (it holds the connection until the process ends) and what was still
+        queued or being committed is lost, as a ``kill -9`` then would lose it. ``run_sync``
+        (a seam for tests) runs each blocking call; by default a worker thread."""
+        if run_sync is None:
+            limiter = trio.CapacityLimiter(1)  # one call at a time, apart from other threads
+            run_sync = partial(trio.to_thread.run_sync, abandon_on_cancel=True, limiter=limiter)
+        assert not self._writing, "one writer per journal"
+        scope: trio.CancelScope | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
+                self._writing = True
+                self._closing = False
+                nursery.start_soon(self._write_queued, run_sync, close)
+                watch = trio.CancelScope()
+                nursery.start_soon(self._watch_stalls, watch)
+                try:
+                    yield self
+                finally:
+                    watch.cancel()
+                    self._closing = True
+                    self._queued.set()
+                    # The drain runs even when the block was left by a cancellation.
+                    scope.shield = True
+                    scope.deadline = trio.current_time() + max(0.0, flush_bound_s())
+        finally:
+            self._writing = False
+            if scope is not None and scope.cancelled_caught:
+                self._abandoned = self._in_thread
+                lost = self._queued_statements + self._in_flight
+                self._queue.clear()
+                self._queued_statements = 0
+                if lost:
+                    self._degrade(JournalStalled(
+                        f"the writer did not finish within its shutdown bound: {lost} "
+                        "statements not yet durable are lost"))
+                else:
+                    logger.warning("state journal %s: not closed within its shutdown bound",
+                                   self.path)
+            self._release_all()  # nothing will confirm them any more
+
+    async def _call(self, run_sync: RunSync, fn: Callable[..., Any], *args: Any) -> Any:
+        # Left set when the call is cancelled: its thread, abandoned, may still use the
+        # connection (`close` then leaves it alone).
+        self._in_thread = True
+        result = await run_sync(fn, *args)
+        self._in_thread = False
+        return result
+
+    async def _write_queued(self, run_sync: RunSync, close: bool) -> None:
+        """The writer task: commit everything queued, one transaction at a time, until the
+        block of :meth:`writing` is left and the queue is empty; then close (``close``)."""
+        since_checkpoint = 0
+        while True:
+            if not self._queue:
+                if self._closing:
+                    break
+                self._queued = trio.Event()
+                await self._queued.wait()
+                continue
+            batch = list(self._queue)
+            self._queue.clear()
+            self._queued_statements = 0
+            self._in_flight = sum(len(group) for _, group in batch)
+            errors = await self._call(run_sync, self._commit, batch)
+            self._in_flight = 0
+            self.commits += 1
+            self.largest_batch = max(self.largest_batch, len(batch))
+            for exc in errors:
+                self._degrade(exc)
+            self._committed = batch[-1][0]
+            self._release_committed()
+            since_checkpoint += 1
+            if since_checkpoint >= CHECKPOINT_COMMITS:
+                since_checkpoint = 0
+                error = await self._call(run_sync, self._checkpoint)
+                self.checkpoints += 1
+                if error is not None:
+                    self._degrade(error)
+        if close and not self._closed:
+            self._closed = True
+            error = await self._call(run_sync, self._close_db)
+            if error is not None:
+                self._degrade(error)
+
+    async def _watch_stalls(self, scope: trio.CancelScope) -> None:
+        """Degrade the journal (stalled) when the oldest waiting callback's commit is not
+        confirmed by its deadline; the callbacks then run at once. Ends when ``scope`` is
+        cancelled (the writer drains)."""
+        with scope:
+            while True:
+                if not self._gates:
+                    self._gated = trio.Event()
+                    await self._gated.wait()
+                    continue
+                ticket, deadline, _ = self._gates[0]
+                await trio.sleep_until(deadline)
+                if self._gates and self._gates[0][0] == ticket and self._committed < ticket:
+                    self._degrade(JournalStalled(
+                        f"no commit confirmed within {STALL_S:g} s: the disk is stalled"))
+
+    # the writer's thread: no Trio, no shared state but the connection ------------------------
+
+    def _commit(self, batch: list[tuple[int, Statements]]) -> list[BaseException]:
+        """Write ``batch`` as one transaction; if that fails, each group in its own (so one
+        bad group fails alone, as it did when each was written on its own). Returns the
+        errors, one per failed group (the Trio thread degrades the journal with them)."""
+        error = self._transaction([s for _, group in batch for s in group])
+        if error is None:
+            return []
+        if len(batch) == 1:
+            return [error]
+        return [exc for _, group in batch if (exc := self._transaction(group)) is not None]
+
+    def _transaction(self, statements: Statements) -> BaseException | None:
         db = self._db
         try:
             db.execute("BEGIN")
@@ -237,9 +518,22 @@ class Journal:
                     db.execute("ROLLBACK")
                 raise
         except Exception as exc:  # any failure: disk, lock, read-only, a value SQLite refuses
-            self._degrade(exc)
-            return False
-        return True
+            return exc
+        return None
+
+    def _checkpoint(self) -> BaseException | None:
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:
+            return exc
+        return None
+
+    def _close_db(self) -> BaseException | None:
+        try:
+            self._db.close()
+        except sqlite3.Error as exc:
+            return exc
+        return None
 
     def _rows(self, query: str) -> list[Any]:
         """All rows of a reload query; none (and the journal degraded) when the file cannot
@@ -292,7 +586,7 @@ class Journal:
 
     def put_record(self, key: CohortKey, expires_wall: float | None,
                    digests: tuple[str | None, ...], rewards: tuple[float | None, ...],
-                   failure: dict[str, Any] | None) -> bool:
+                   failure: dict[str, Any] | None) -> int | None:
         return self._write([(
             "INSERT OR REPLACE INTO records (key, seq, expires_wall, digests, rewards, failure) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -300,7 +594,7 @@ class Journal:
              json.dumps(list(rewards)), json.dumps(failure) if failure is not None else None),
         )])
 
-    def delete_records(self, keys: Iterable[CohortKey]) -> bool:
+    def delete_records(self, keys: Iterable[CohortKey]) -> int | None:
         """Delete many records in one transaction (a mass expiry)."""
         return self._write(
             ("DELETE FROM records WHERE key = ?", (_key_text(key),)) for key in keys)
@@ -321,14 +615,14 @@ class Journal:
                                   bool(finished))
 
     def put_watermark(self, group_id: str, attempt: int, prompt_digest: str,
-                      touched_wall: float, finished: bool = False) -> bool:
+                      touched_wall: float, finished: bool = False) -> int | None:
         return self._write([(
             "INSERT OR REPLACE INTO watermarks (group_id, seq, attempt, prompt_digest, "
             "touched_wall, finished) VALUES (?, ?, ?, ?, ?, ?)",
             (group_id, self._next_seq(), attempt, prompt_digest, touched_wall, int(finished)),
         )])
 
-    def delete_watermarks(self, group_ids: Iterable[str]) -> bool:
+    def delete_watermarks(self, group_ids: Iterable[str]) -> int | None:
         return self._write(
             ("DELETE FROM watermarks WHERE group_id = ?", (group_id,)) for group_id in group_ids)
 
@@ -356,14 +650,14 @@ class Journal:
                                 float(score_1), float(score_2), float(ranking))
 
     def put_verdict(self, key: bytes, expires_wall: float | None, score_1: float,
-                    score_2: float, ranking: float) -> bool:
+                    score_2: float, ranking: float) -> int | None:
         return self._write([(
             "INSERT OR REPLACE INTO verdicts (key, seq, expires_wall, score_1, score_2, ranking) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             (key.hex(), self._next_seq(), expires_wall, score_1, score_2, ranking),
         )])
 
-    def delete_verdicts(self, keys: Iterable[bytes]) -> bool:
+    def delete_verdicts(self, keys: Iterable[bytes]) -> int | None:
         """Delete many verdicts in one transaction (evicted or expired together)."""
         return self._write(
             ("DELETE FROM verdicts WHERE key = ?", (key.hex(),)) for key in keys)

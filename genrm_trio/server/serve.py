@@ -1,7 +1,10 @@
 """The process: root nursery, judge, registry, Hypercorn, signals and shutdown.
 
 Ownership: :func:`run_server` resolves the machine-dependent config defaults (``max_active_bytes:
-auto``, server/memory_limit.py), opens the judge (its HTTP clients), then the registry (which owns
+auto``, server/memory_limit.py), runs the journal's writer with ``state_dir`` (server/journal.py:
+its worker thread commits what the registry queues; it outlives the registry, so the shutdown's
+writes are committed too, and drains within the deadline's cleanup allowance), opens the judge
+(its HTTP clients), then the registry (which owns
 its own nursery, where every cohort task lives), then the root nursery that runs Hypercorn and,
 with ``probe_port`` set, the probe listener beside it (server/probes.py). A cohort's failure stays
 inside the registry; nothing a cohort meets reaches Hypercorn's nursery. Shutdown is one
@@ -23,6 +26,8 @@ import math
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 
 import msgspec
@@ -55,6 +60,9 @@ from genrm_trio.server.tracing import (
 )
 
 logger = logging.getLogger(__name__)
+
+JOURNAL_FLUSH_S = 2.0
+"""The journal's drain bound when the server stops without a graceful shutdown."""
 
 
 def _hypercorn_config(cfg: Config) -> HypercornConfig:
@@ -115,6 +123,7 @@ async def run_server(
         journal = (Journal.open(cfg.state_dir, cfg.state_sync) if cfg.state_dir is not None
                    else None)
         async with (
+            _journal_writer(journal, drain),
             open_judge(cfg, observer=metrics) as judge,
             CohortRegistry.open(cfg, judge, journal, observer=metrics,
                                 tracer=tracer) as registry,
@@ -129,6 +138,22 @@ async def run_server(
         # Last, so the cohort spans that shutdown ended go out too; within the deadline's
         # cleanup allowance (or FLUSH_BOUND_S when the server stopped early).
         await close_tracer(tracer, min(FLUSH_BOUND_S, drain.remaining_s() + CLEANUP_S / 2))
+
+
+@asynccontextmanager
+async def _journal_writer(journal: Journal | None, drain: ShutdownDeadline,
+                          ) -> AsyncIterator[None]:
+    """The journal's writer (server/journal.py) for the server's lifetime, outside the
+    registry, so records the shutdown writes are committed too. On leaving, it drains the
+    queue and closes the file within the deadline's first share of the cleanup allowance (at
+    most ``JOURNAL_FLUSH_S`` when the server stops without a shutdown): a stalled disk then
+    loses the records not yet committed, never the deadline."""
+    if journal is None:
+        yield
+        return
+    async with journal.writing(
+            lambda: min(JOURNAL_FLUSH_S, drain.remaining_s() + CLEANUP_S / 4), close=True):
+        yield
 
 
 async def _serve_in(
