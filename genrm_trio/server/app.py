@@ -253,7 +253,7 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, byt
         return 200, encode(wire.success_body(
             member, outcome.reward, outcome.defaulted_comparisons,
             cohort_expected=outcome.cohort_expected, cohort_scored=outcome.cohort_scored,
-            reused_comparisons=outcome.reused_comparisons)), []
+            reused_comparisons=outcome.reused_comparisons, assigned_slot=outcome.slot)), []
     if outcome.masked:
         return 200, encode(wire.masked_body(member, outcome.detail)), []
     headers = []
@@ -326,7 +326,8 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id)
+            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id,
+                                      arrival_slots=self._cfg.legacy_slots == "arrival")
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
