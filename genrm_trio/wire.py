@@ -511,3 +511,54 @@ def masked_body(member: VerifyMember, reason: str) -> dict[str, Any]:
 
 def error_body(detail: str, failure_kind: str | None) -> dict[str, Any]:
     return {"detail": detail, "failure_kind": failure_kind}
+
+
+# --------------------------------------------------------------------------- POST /get_reward
+
+#: Most samples one ``POST /get_reward`` may carry (OpenRLHF >= 0.9.1 sends one; up to 0.9.0 a
+#: whole batch).
+MAX_GET_REWARD_SAMPLES = 4096
+#: Longest label, as canonical JSON, accepted in ``labels`` (it is hashed into the cohort key).
+MAX_LABEL_CHARS = 65536
+#: The prefix of the cohort key scope of a ``/get_reward`` sample (then the label's digest).
+GET_REWARD_SCOPE = "openrlhf-label"
+
+
+class GetRewardRequest(msgspec.Struct, kw_only=True):
+    """OpenRLHF's remote reward request: ``query`` (prompt + response texts), ``prompts`` and
+    ``labels``, one entry per sample, in the same order."""
+
+    query: list[str]
+    prompts: list[str]
+    labels: list[Any] | None = None
+
+
+def decode_get_reward(raw: bytes) -> GetRewardRequest:
+    """Validate a ``/get_reward`` body; raises :class:`BadRequest` naming the JSON path: wrong
+    types, more than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a
+    label longer than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
+    obj = decode_object(raw)
+    try:
+        request = msgspec.convert(obj, GetRewardRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(_validation_detail(exc)) from exc
+    n = len(request.query)
+    if n > MAX_GET_REWARD_SAMPLES:
+        raise BadRequest(
+            f"invalid request body: Expected `array` of length <= {MAX_GET_REWARD_SAMPLES}, "
+            f"got {n} - at `$.query`")
+    if len(request.prompts) != n:
+        raise BadRequest(
+            f"invalid request body: `prompts` has {len(request.prompts)} entries, `query` {n} "
+            "- at `$.prompts`")
+    if request.labels is not None:
+        if len(request.labels) != n:
+            raise BadRequest(
+                f"invalid request body: `labels` has {len(request.labels)} entries, `query` "
+                f"{n} - at `$.labels`")
+        for i, label in enumerate(request.labels):
+            if len(JSON_ENCODER.encode(label)) > MAX_LABEL_CHARS:
+                raise BadRequest(
+                    f"invalid request body: label longer than {MAX_LABEL_CHARS} characters as "
+                    f"JSON - at `$.labels[{i}]`")
+    return request
