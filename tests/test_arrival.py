@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx2
 import msgspec
 import pytest
 import trio
@@ -26,6 +27,7 @@ from tests.lifecycle_helpers import (
     open_registry,
     reference_rewards,
 )
+from tests.server_helpers import running_server
 
 DEADLINE_S = 10.0
 
@@ -196,3 +198,75 @@ def test_get_reward_bounds() -> None:
     ]:
         with pytest.raises(BadRequest, match=where.replace("$", r"\$").replace("[", r"\[")):
             wire.decode_get_reward(raw)
+
+
+def orlhf_samples(prompt: str, k: int, label: str = "ref") -> list[dict[str, list[Any]]]:
+    return [{"query": [prompt + answer(i)], "prompts": [prompt], "labels": [label]}
+            for i in range(k)]
+
+
+async def test_get_reward_per_sample_batch_empty_and_prefixed() -> None:
+    cfg = Config(num_rollouts_per_prompt=4, cohort_collection_timeout_s=30.0)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url,
+                                                              timeout=60) as client:
+        answers: dict[str, Any] = {}
+
+        async def post(name: str, payload: dict[str, Any], path: str = "/get_reward") -> None:
+            answers[name] = (await client.post(path, json=payload)).json()
+
+        async with trio.open_nursery() as n:
+            for p in ("Why is the sky blue? ", "Why is grass green? "):
+                for i, payload in enumerate(orlhf_samples(p, 4)):
+                    n.start_soon(post, f"{p}{i}", payload,
+                                 "/ng-rollout/r1/get_reward" if i == 0 else "/get_reward")
+        assert len(answers) == 8
+        for a in answers.values():
+            assert len(a["rewards"]) == 1 and a["scores"] == a["rewards"]
+            assert a["extra_logs"]["genrm_masked"] == [0.0]
+            assert a["extra_logs"]["genrm_cohort_scored"] == [4.0]
+        # The legacy whole batch (OpenRLHF <= 0.9.0): each prompt's samples contiguous.
+        batch = {"query": [], "prompts": [], "labels": []}
+        for p in ("Batch prompt one. ", "Batch prompt two. "):
+            for s in orlhf_samples(p, 4):
+                for k in batch:
+                    batch[k] += s[k]
+        got = (await client.post("/get_reward", json=batch)).json()
+        assert len(got["rewards"]) == 8 and got["extra_logs"]["genrm_masked"] == [0.0] * 8
+        empty = (await client.post("/get_reward",
+                                   json={"query": [], "prompts": [], "labels": []})).json()
+        assert empty["rewards"] == [] and empty["scores"] == []
+        bad = await client.post("/get_reward", json={"query": ["a"], "prompts": []})
+        assert bad.status_code == 400 and "$.prompts" in bad.json()["detail"]
+        status = (await client.get("/status")).json()
+        assert status["cohorts"]["active_cohorts"] == 0
+
+
+async def test_get_reward_incomplete_cohort_is_masked_uniformly() -> None:
+    cfg = Config(num_rollouts_per_prompt=4, cohort_collection_timeout_s=0.3)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url,
+                                                              timeout=60) as client:
+        answers: list[Any] = []
+
+        async def post(payload: dict[str, Any]) -> None:
+            answers.append((await client.post("/get_reward", json=payload)).json())
+
+        async with trio.open_nursery() as n:
+            for payload in orlhf_samples("Only three came. ", 3):
+                n.start_soon(post, payload)
+    assert [a["rewards"] for a in answers] == [[0.0]] * 3
+    for a in answers:
+        assert a["extra_logs"]["genrm_masked"] == [1.0]
+        assert a["extra_logs"]["genrm_failure_code"] == [2.0]
+        assert a["genrm_failure_reason"][0].startswith("cohort_incomplete")
+
+
+async def test_get_reward_response_is_the_query_without_the_prompt() -> None:
+    from genrm_trio.server.app import get_reward_member
+
+    member, prefix = get_reward_member("Q: hi\n", "Q: hi\nA: hello", "lab")
+    assert prefix and member.fields().response["output"][0]["content"][0]["text"] == "A: hello"
+    member, prefix = get_reward_member("Q: hi there\n", "Q: hi\nA: x", None)
+    assert not prefix  # the longest common prefix is removed instead
+    assert member.fields().response["output"][0]["content"][0]["text"] == "\nA: x"
+    other, _ = get_reward_member("Q: hi\n", "Q: hi\nA: hello", "other label")
+    assert other.key_scope != get_reward_member("Q: hi\n", "Q: hi\nA: b", "lab")[0].key_scope
