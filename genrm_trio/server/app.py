@@ -738,7 +738,7 @@ async def _get_reward(cfg: Config, registry: CohortRegistry,
     n = len(body.query)
     labels = body.labels if body.labels is not None else [None] * n
     if cfg.num_rollouts_per_prompt <= 1 or n == 0:
-        rewards = [cfg.default_score] * n
+        rewards: list[float] = [cfg.default_score] * n
         return json_response({"rewards": rewards, "scores": rewards, "extra_logs": {
             "genrm_masked": [0.0] * n, "genrm_failure_code": [0.0] * n,
             "genrm_cohort_expected": [1.0] * n, "genrm_cohort_scored": [1.0] * n,
@@ -758,7 +758,7 @@ async def _get_reward(cfg: Config, registry: CohortRegistry,
             headers = ({"Retry-After": str(max(1, round(outcome.retry_after_s)))}
                        if outcome.retry_after_s is not None else None)
             return error_response(outcome.status, outcome.detail, outcome.kind, headers)
-    rewards: list[float] = []
+    rewards = []
     logs: dict[str, list[float]] = {key: [] for key in GET_REWARD_LOG_KEYS}
     reasons: list[str | None] = []
     for (_member, prefix), outcome in zip(members, outcomes, strict=True):
