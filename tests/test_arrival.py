@@ -270,3 +270,28 @@ async def test_get_reward_response_is_the_query_without_the_prompt() -> None:
     assert member.fields().response["output"][0]["content"][0]["text"] == "\nA: x"
     other, _ = get_reward_member("Q: hi\n", "Q: hi\nA: hello", "other label")
     assert other.key_scope != get_reward_member("Q: hi\n", "Q: hi\nA: b", "lab")[0].key_scope
+
+
+async def test_verify_rows_without_index_over_http_under_arrival() -> None:
+    """verifiers' shape: every rollout of a group sends the same row plus its response, no
+    ``_ng_`` key; 2 prompts x 4 at once: 8 rewards, 2 cohorts, slots 0..3 each."""
+    cfg = Config(num_rollouts_per_prompt=4, legacy_slots="arrival",
+                 cohort_collection_timeout_s=30.0)
+    async with running_server(cfg) as url, httpx2.AsyncClient(base_url=url,
+                                                              timeout=60) as client:
+        got: list[Any] = []
+
+        async def post(p: int, i: int) -> None:
+            row = body(None, group=None, attempt=None, prompt=f"Prompt {p}?", text=answer(i))
+            got.append((p, (await client.post("/verify", json=row)).json()))
+
+        async with trio.open_nursery() as n:
+            for p in range(2):
+                for i in range(4):
+                    n.start_soon(post, p, i)
+        refused = await client.post("/verify", json={"responses_create_params": {"input": "x"},
+                                                     "response": {}, "_ng_group_id": "g"})
+        assert refused.status_code == 422
+    assert len(got) == 8 and all(a["mask_sample"] is False for _, a in got)
+    for p in range(2):
+        assert sorted(a["_ng_rollout_index"] for q, a in got if q == p) == [0, 1, 2, 3]
