@@ -200,6 +200,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     unparseable_verdict_policy: Literal["default", "mask"] = "default"
     incomplete_cohort_policy: Literal["fail", "judge_present"] = "fail"
     min_cohort_members: int | None = None
+    # [ext] (issue 30): how a legacy member (no _ng_group_id) without _ng_rollout_index gets a
+    # slot: required (422 bad_coordinates, NeMo Gym 0.7.0) or arrival (the next free slot of
+    # its prompt-keyed cohort, as nemo-gym 0.4.0 did; verifiers / prime-rl need it).
+    legacy_slots: Literal["required", "arrival"] = "required"
     debug_logging: bool = False
     genrm_responses_create_params: dict[str, Any] = msgspec.field(
         default_factory=_default_judge_params
@@ -486,6 +490,7 @@ def min_members_present(cfg: Config) -> int:
 
 def _validate_partial(cfg: Config) -> None:
     _choice("incomplete_cohort_policy", cfg.incomplete_cohort_policy, ("fail", "judge_present"))
+    _choice("legacy_slots", cfg.legacy_slots, ("required", "arrival"))
     n = cfg.num_rollouts_per_prompt
     if cfg.incomplete_cohort_policy == "judge_present" and n < 3:
         # A partial cohort needs two members, and at least one slot may be missing.

@@ -30,6 +30,7 @@ __all__ = [
     "response_digest",
     "explicit_key",
     "legacy_key",
+    "scoped_key",
     "describe",
     "judge_fingerprint",
     "verdict_scope",
@@ -110,6 +111,14 @@ def legacy_key(
         scope = f"prompt:{prompt_id}"
     else:
         scope = "anon"
+    return CohortKey(group_id=None, legacy_key=f"{scope}:{prompt_digest}", attempt=attempt)
+
+
+def scoped_key(scope: str, prompt_digest: str, attempt: int) -> CohortKey:
+    """The key of a prompt-keyed cohort whose scope a route builds instead of the body's task
+    index or prompt id (``POST /get_reward``: ``"openrlhf-label:<label digest>"``, so equal
+    prompt texts with different labels stay apart). Shaped like a legacy key, so it never
+    meets an explicit group's. Never blocks."""
     return CohortKey(group_id=None, legacy_key=f"{scope}:{prompt_digest}", attempt=attempt)
 
 

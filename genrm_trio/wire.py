@@ -160,6 +160,10 @@ class VerifyMember(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: NeMo Gym's rollout id, from the ``/ng-rollout/<rollout_id>/verify`` path (None without
     #: the prefix): kept with the member for its cohort's disposition line and traces.
     rollout_id: str | None = None
+    #: The scope of a prompt-keyed cohort key built by a route rather than by the body's
+    #: ``_ng_task_index`` / ``prompt_id`` (``POST /get_reward``: the label's digest); None for
+    #: ``/verify`` members.
+    key_scope: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The body as received, decoded (a new dict on each call: the caller owns it)."""
@@ -339,12 +343,16 @@ def _duplicated_key(raw: bytes) -> str | None:
     return None
 
 
-def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None) -> VerifyMember:
+def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
+                  arrival_slots: bool = False) -> VerifyMember:
     """Validate a ``/verify`` body (``rollout_id``: NeMo Gym's, from the request path).
 
     Raises :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
     :class:`BadCoordinates` (422) for a missing or out-of-range rollout index or a negative
-    attempt. The decoded body is not kept: the member holds ``raw`` (see :class:`VerifyMember`).
+    attempt. With ``arrival_slots`` (config ``legacy_slots: arrival``) a legacy member (no group
+    id) may leave the rollout index out: the registry gives it the next free slot of its
+    prompt-keyed cohort. The decoded body is not kept: the member holds ``raw`` (see
+    :class:`VerifyMember`).
     """
     body = decode_object(raw)
     duplicated = _duplicated_key(raw)
@@ -378,11 +386,15 @@ def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None) 
         raise BadCoordinates(f"_ng_group_attempt must be >= 0, got {attempt}")
     if num_rollouts > 1:
         index = fields.rollout_index
-        if index is None:
+        if index is None and not (arrival_slots and fields.group_id is None):
+            hint = ("" if fields.group_id is not None else
+                    " (a legacy member, without _ng_group_id, may leave it out when the server "
+                    "runs with legacy_slots: arrival)")
             raise BadCoordinates(
                 f"_ng_rollout_index is required when num_rollouts_per_prompt = {num_rollouts}"
+                + hint
             )
-        if not 0 <= index < num_rollouts:
+        if index is not None and not 0 <= index < num_rollouts:
             raise BadCoordinates(
                 f"_ng_rollout_index must be in [0, {num_rollouts}), got {index}"
             )
@@ -454,16 +466,20 @@ def identity_fields(member: VerifyMember) -> dict[str, Any]:
 
 def success_body(member: VerifyMember, reward: float, defaulted_comparisons: int | None = 0,
                  cohort_expected: int | None = 1, cohort_scored: int | None = 1,
-                 reused_comparisons: int | None = 0) -> dict[str, Any]:
+                 reused_comparisons: int | None = 0,
+                 assigned_slot: int | None = None) -> dict[str, Any]:
     """The 200 answer for a rewarded member: its body (identity keys only under ``_ng_`` names)
     plus the reward, the unmasked markers, :data:`DEFAULTED_COMPARISONS_KEY` and
     :data:`REUSED_COMPARISONS_KEY` (each None when unknown: a record reloaded from the
     journal), :data:`COHORT_EXPECTED_KEY` and :data:`COHORT_SCORED_KEY` (1 and 1 without
-    cohorts, N <= 1)."""
+    cohorts, N <= 1). ``assigned_slot``: the slot a member sent without ``_ng_rollout_index``
+    was given by arrival (``legacy_slots: arrival``), answered as its ``_ng_rollout_index``."""
     if not math.isfinite(reward):  # guarded by the registry; never publish a non-finite reward
         raise ValueError("non-finite reward")
     out = {k: v for k, v in member.body().items() if k not in IDENTITY_ALIASES}
     out.update(identity_fields(member))
+    if member.rollout_index is None and assigned_slot is not None:
+        out["_ng_rollout_index"] = assigned_slot
     out["reward"] = reward
     out["mask_sample"] = False
     out["failure_kind"] = None
@@ -495,3 +511,54 @@ def masked_body(member: VerifyMember, reason: str) -> dict[str, Any]:
 
 def error_body(detail: str, failure_kind: str | None) -> dict[str, Any]:
     return {"detail": detail, "failure_kind": failure_kind}
+
+
+# --------------------------------------------------------------------------- POST /get_reward
+
+#: Most samples one ``POST /get_reward`` may carry (OpenRLHF >= 0.9.1 sends one; up to 0.9.0 a
+#: whole batch).
+MAX_GET_REWARD_SAMPLES = 4096
+#: Longest label, as canonical JSON, accepted in ``labels`` (it is hashed into the cohort key).
+MAX_LABEL_CHARS = 65536
+#: The prefix of the cohort key scope of a ``/get_reward`` sample (then the label's digest).
+GET_REWARD_SCOPE = "openrlhf-label"
+
+
+class GetRewardRequest(msgspec.Struct, kw_only=True):
+    """OpenRLHF's remote reward request: ``query`` (prompt + response texts), ``prompts`` and
+    ``labels``, one entry per sample, in the same order."""
+
+    query: list[str]
+    prompts: list[str]
+    labels: list[Any] | None = None
+
+
+def decode_get_reward(raw: bytes) -> GetRewardRequest:
+    """Validate a ``/get_reward`` body; raises :class:`BadRequest` naming the JSON path: wrong
+    types, more than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a
+    label longer than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
+    obj = decode_object(raw)
+    try:
+        request = msgspec.convert(obj, GetRewardRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(_validation_detail(exc)) from exc
+    n = len(request.query)
+    if n > MAX_GET_REWARD_SAMPLES:
+        raise BadRequest(
+            f"invalid request body: Expected `array` of length <= {MAX_GET_REWARD_SAMPLES}, "
+            f"got {n} - at `$.query`")
+    if len(request.prompts) != n:
+        raise BadRequest(
+            f"invalid request body: `prompts` has {len(request.prompts)} entries, `query` {n} "
+            "- at `$.prompts`")
+    if request.labels is not None:
+        if len(request.labels) != n:
+            raise BadRequest(
+                f"invalid request body: `labels` has {len(request.labels)} entries, `query` "
+                f"{n} - at `$.labels`")
+        for i, label in enumerate(request.labels):
+            if len(JSON_ENCODER.encode(label)) > MAX_LABEL_CHARS:
+                raise BadRequest(
+                    f"invalid request body: label longer than {MAX_LABEL_CHARS} characters as "
+                    f"JSON - at `$.labels[{i}]`")
+    return request

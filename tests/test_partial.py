@@ -119,7 +119,8 @@ async def test_a_full_cohort_says_it_scored_all_of_its_members(
     (cfg_for(5, min_members=4), "g",
      "incomplete_cohort_policy judge_present needs at least 4 members"),
     (cfg_for(5), "g", "needs at least 4 members"),  # null: N - 1
-    (cfg_for(5, min_members=2), None, "legacy groups (no _ng_group_id) are never judged"),
+    (cfg_for(5, min_members=2), None,
+     "legacy groups (no _ng_group_id) are judged partially only with legacy_slots: arrival"),
     (cfg_for(5, policy="fail"), "g", "no reward is computed from an incomplete cohort"),
 ])
 async def test_too_few_members_a_legacy_group_or_the_default_policy_fail_as_incomplete(

@@ -22,6 +22,7 @@ answer carries ``Connection: close``) for the keep-alive reason above. Client di
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from functools import partial
@@ -149,6 +150,11 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         span = cast(RequestSpan, request.scope.get(TRACE_SCOPE_KEY, NO_REQUEST_SPAN))
         return await _compare(cfg, judge, body, span)
 
+    @app.post("/get_reward")
+    async def get_reward() -> Response:
+        body = wire.decode_get_reward(await _read_body())
+        return await _get_reward(cfg, registry, body)
+
     @app.get("/")
     @app.get("/health")
     @app.get("/healthz")
@@ -253,7 +259,7 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, byt
         return 200, encode(wire.success_body(
             member, outcome.reward, outcome.defaulted_comparisons,
             cohort_expected=outcome.cohort_expected, cohort_scored=outcome.cohort_scored,
-            reused_comparisons=outcome.reused_comparisons)), []
+            reused_comparisons=outcome.reused_comparisons, assigned_slot=outcome.slot)), []
     if outcome.masked:
         return 200, encode(wire.masked_body(member, outcome.detail)), []
     headers = []
@@ -326,7 +332,8 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id)
+            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id,
+                                      arrival_slots=self._cfg.legacy_slots == "arrival")
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
@@ -675,3 +682,100 @@ def _content_text(content: Any) -> str:
             if isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
         )
     return str(content)
+
+
+#: The ``extra_logs`` keys of every ``/get_reward`` answer, one number per sample (OpenRLHF
+#: turns each value into a tensor: text there would crash its experience maker).
+GET_REWARD_LOG_KEYS = ("genrm_masked", "genrm_failure_code", "genrm_cohort_expected",
+                       "genrm_cohort_scored", "genrm_prompt_not_prefix")
+#: ``genrm_failure_code`` by failure kind (0: rewarded; anything unlisted: 9).
+GET_REWARD_FAILURE_CODES = {"judge_failed": 1, "cohort_incomplete": 2, "evaluation_error": 3,
+                            "cohort_closed": 4, "cohort_full": 5, "cancelled": 6}
+#: Failures answered with an HTTP error instead, so OpenRLHF's own retry loop re-sends.
+_GET_REWARD_TRANSIENT = frozenset({"shutdown", "overloaded"})
+
+
+def get_reward_member(prompt: str, query: str, label: Any) -> tuple[wire.VerifyMember, bool]:
+    """The cohort member of one OpenRLHF sample, and whether its prompt was a prefix of its
+    query. The response is the query with the prompt removed; when the prompt is not a prefix
+    (OpenRLHF decodes the tokens it generated from, which need not give the prompt text back,
+    and cuts over-long prompts from the left), the longest common prefix is removed instead.
+    The cohort key is the prompt text and the label's digest."""
+    prefix = query.startswith(prompt)
+    if prefix:
+        response_text = query[len(prompt):]
+    else:
+        common = 0
+        for a, b in zip(prompt, query, strict=False):
+            if a != b:
+                break
+            common += 1
+        response_text = query[common:]
+    body = {
+        "responses_create_params": {"input": prompt},
+        "response": {"object": "response", "output": [{
+            "type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": response_text}]}]},
+    }
+    label_digest = hashlib.sha256(wire.JSON_ENCODER.encode(label)).hexdigest()[:32]
+    member = wire.VerifyMember(
+        raw=wire.JSON_ENCODER.encode(body), group_id=None, attempt=0, attempt_given=False,
+        rollout_index=None, size_bytes=wire.decoded_size(body),
+        key_scope=f"{wire.GET_REWARD_SCOPE}:{label_digest}")
+    return member, prefix
+
+
+async def _get_reward(cfg: Config, registry: CohortRegistry,
+                      body: wire.GetRewardRequest) -> Response:
+    """OpenRLHF's remote reward protocol. Each sample is a member of the prompt-keyed cohort of
+    its prompt text and label, slotted by arrival (a batch's samples wait together, in this
+    request's own nursery: one task per sample of this request, none per waiter elsewhere).
+    Rewards come back in the samples' order. A sample whose cohort failed (masked, incomplete,
+    closed, full) gets reward 0.0 with ``genrm_masked`` 1: a masked cohort's members all get
+    the same 0.0, which a group baseline (rloo, group_norm, reinforce_baseline, dr_grpo) turns
+    into zero advantage; the reason goes into ``extra_logs`` as a number and into
+    ``genrm_failure_reason``. Shutdown and overload are HTTP errors (OpenRLHF retries them)."""
+    n = len(body.query)
+    labels = body.labels if body.labels is not None else [None] * n
+    if cfg.num_rollouts_per_prompt <= 1 or n == 0:
+        rewards: list[float] = [cfg.default_score] * n
+        return json_response({"rewards": rewards, "scores": rewards, "extra_logs": {
+            "genrm_masked": [0.0] * n, "genrm_failure_code": [0.0] * n,
+            "genrm_cohort_expected": [1.0] * n, "genrm_cohort_scored": [1.0] * n,
+            "genrm_prompt_not_prefix": [0.0] * n}, "genrm_failure_reason": [None] * n})
+    members = [get_reward_member(p, q, lab)
+               for p, q, lab in zip(body.prompts, body.query, labels, strict=True)]
+    outcomes: list[Outcome | None] = [None] * n
+
+    async def one(i: int) -> None:
+        outcomes[i] = await registry.verify(members[i][0])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    for outcome in outcomes:
+        if isinstance(outcome, Failure) and outcome.kind in _GET_REWARD_TRANSIENT:
+            headers = ({"Retry-After": str(max(1, round(outcome.retry_after_s)))}
+                       if outcome.retry_after_s is not None else None)
+            return error_response(outcome.status, outcome.detail, outcome.kind, headers)
+    rewards = []
+    logs: dict[str, list[float]] = {key: [] for key in GET_REWARD_LOG_KEYS}
+    reasons: list[str | None] = []
+    for (_member, prefix), outcome in zip(members, outcomes, strict=True):
+        assert outcome is not None
+        logs["genrm_prompt_not_prefix"].append(0.0 if prefix else 1.0)
+        logs["genrm_cohort_expected"].append(float(cfg.num_rollouts_per_prompt))
+        if isinstance(outcome, Rewarded):
+            rewards.append(outcome.reward)
+            logs["genrm_masked"].append(0.0)
+            logs["genrm_failure_code"].append(0.0)
+            logs["genrm_cohort_scored"].append(float(outcome.cohort_scored or 0))
+            reasons.append(None)
+        else:
+            rewards.append(0.0)
+            logs["genrm_masked"].append(1.0)
+            logs["genrm_failure_code"].append(float(GET_REWARD_FAILURE_CODES.get(outcome.kind, 9)))
+            logs["genrm_cohort_scored"].append(0.0)
+            reasons.append(f"{outcome.kind}: {wire.bound_text(outcome.detail, 500)}")
+    return json_response({"rewards": rewards, "scores": rewards, "extra_logs": logs,
+                          "genrm_failure_reason": reasons})

@@ -117,6 +117,8 @@ class Rewarded:
     cohort_expected: int | None = dataclasses.field(default=None, compare=False)
     cohort_scored: int | None = dataclasses.field(default=None, compare=False)
     reused_comparisons: int | None = dataclasses.field(default=0, compare=False)
+    #: The member's slot (a member sent without ``_ng_rollout_index`` learns it here).
+    slot: int | None = dataclasses.field(default=None, compare=False)
 
 
 Outcome = Rewarded | Failure
@@ -139,15 +141,18 @@ class CohortObserver(Protocol):
 
 class _Member:
     """A cohort's slot: the member's body as received (``raw``, the same bytes its request
-    holds), its response digest and rollout id. Nothing decoded is kept while it waits."""
+    holds), its response digest and rollout id. Nothing decoded is kept while it waits.
+    ``waiters``: how many requests wait on it now (an arrival-slotted identical body
+    re-attaches only to a member that has none: see :meth:`CohortRegistry._arrive`)."""
 
-    __slots__ = ("digest", "raw", "rollout_id", "_answer")
+    __slots__ = ("digest", "raw", "rollout_id", "_answer", "waiters")
 
     def __init__(self, digest: str, raw: bytes, rollout_id: str | None = None) -> None:
         self.digest = digest
         self.raw = raw
         self.rollout_id = rollout_id  # NeMo Gym's, from an /ng-rollout/<id>/ path
         self._answer: str | None = None
+        self.waiters = 0
 
     @property
     def response(self) -> dict[str, Any]:
@@ -183,7 +188,7 @@ class Cohort:
         "opened_at", "scope", "arrival", "done", "pairs", "started_pairs", "results",
         "pairs_done", "evaluating_at", "defaulted", "input_tokens", "output_tokens",
         "cached_tokens", "wakers", "wake", "scored", "pair_scopes", "dropped_pairs",
-        "judge_affinity", "trace", "reused", "verdict_prefix",
+        "judge_affinity", "trace", "reused", "verdict_prefix", "by_arrival",
     )
 
     def __init__(
@@ -233,6 +238,10 @@ class Cohort:
         self.reused = 0
         # What this cohort's verdict keys start with; built when its first pair is ready.
         self.verdict_prefix: bytes | None = None
+        # A prompt-keyed cohort whose members may take slots by arrival (legacy_slots:
+        # arrival, or POST /get_reward): it keeps a record when it completes, so an identical
+        # re-send replays, and incomplete_cohort_policy judge_present applies to it.
+        self.by_arrival = False
 
     def release(self) -> None:
         """Wake every waiter: the outcome (rewards or failure) is set. Synchronous."""
@@ -270,14 +279,18 @@ class _Record:
     """A terminal record (tombstone): digests and rewards by slot (None for a slot a partial
     cohort was judged without), or the failure. Few objects each."""
 
-    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted", "scored", "reused")
+    __slots__ = ("expires_at", "digests", "rewards", "failure", "defaulted", "scored", "reused",
+                 "closed_at")
 
     def __init__(
         self, expires_at: float, digests: tuple[str | None, ...],
         rewards: tuple[float | None, ...], failure: Failure | None, defaulted: int | None = None,
-        reused: int | None = None,
+        reused: int | None = None, closed_at: float = -math.inf,
     ) -> None:
         self.expires_at = expires_at
+        # When its cohort ended (-inf: reloaded from the journal). An arrival cohort's record
+        # answers members it does not hold only this long (the late-member window).
+        self.closed_at = closed_at
         self.digests = digests
         self.rewards = rewards
         self.failure = failure
@@ -454,14 +467,15 @@ class CohortRegistry:
                 await self._journal.committed()
             self.counters[_outcome_label(admitted)] += 1
             return admitted
-        cohort, duplicate = admitted
-        slot = member.rollout_index or 0
+        cohort, slot, duplicate = admitted
+        joined = cohort.members[slot]  # its live waiters tell a retry from a sibling
         cohort.trace.joined(span, slot, duplicate)
         # A duplicate holds its own body while it waits: it counts towards max_active_bytes
         # like a member does.
         held = member.size_bytes if duplicate else 0
         self._waiters += 1
         self._duplicate_bytes += held
+        joined.waiters += 1
         try:
             if client_gone is None:
                 await cohort.done.wait()
@@ -484,6 +498,7 @@ class CohortRegistry:
         finally:
             self._waiters -= 1
             self._duplicate_bytes -= held
+            joined.waiters -= 1
         return self._outcome(cohort, slot)
 
     def _outcome(self, cohort: Cohort, slot: int) -> Outcome:
@@ -493,7 +508,7 @@ class CohortRegistry:
             reward = cohort.rewards[slot]
             assert reward is not None  # only present members wait on a cohort
             outcome = Rewarded(reward, cohort.defaulted, cohort.size, cohort.scored_count,
-                               cohort.reused)
+                               cohort.reused, slot)
         self.counters[_outcome_label(outcome)] += 1
         return outcome
 
@@ -562,8 +577,9 @@ class CohortRegistry:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, member: VerifyMember) -> Outcome | tuple[Cohort, bool]:
-        """Synchronous admission: an outcome now, or ``(cohort, duplicate)`` to wait on."""
+    def _admit(self, member: VerifyMember) -> Outcome | tuple[Cohort, int, bool]:
+        """Synchronous admission: an outcome now, or ``(cohort, slot, duplicate)`` to wait
+        on."""
         cfg = self._cfg
         now = trio.current_time()
         self._prune(now)
@@ -596,14 +612,25 @@ class CohortRegistry:
                         f"group {_short(group_id)!r}: prompt or principle differs from the "
                         f"group's newest attempt ({watermark.attempt})",
                     )
+        elif member.key_scope is not None:
+            key = identity.scoped_key(member.key_scope, prompt_digest, attempt)
+            watermark = None
         else:
             key = identity.legacy_key(fields.task_index, fields.prompt_id, prompt_digest, attempt)
             watermark = None
+        # A prompt-keyed cohort whose members may come without a slot (see Cohort.by_arrival).
+        by_arrival = group_id is None and (
+            cfg.legacy_slots == "arrival" or member.key_scope is not None)
 
         slot = member.rollout_index or 0
         digest = identity.response_digest(fields.response)
 
         record = self._records.get(key)
+        if record is not None and by_arrival:
+            replayed = self._replay_arrival(key, record, member.rollout_index, digest, now)
+            if replayed is not None:
+                return replayed
+            record = None  # a new round of this prompt: the record was dropped
         if record is not None:
             if record.failure is not None:
                 return record.failure
@@ -613,7 +640,7 @@ class CohortRegistry:
             if recorded != digest:
                 return _conflict(key, slot, "the completed cohort")
             return Rewarded(reward, record.defaulted, len(record.digests), record.scored,
-                            record.reused)
+                            record.reused, slot)
 
         cohort = self._active.get(key)
         if cohort is not None:
@@ -622,15 +649,17 @@ class CohortRegistry:
                     409, "prompt_mismatch",
                     f"{identity.describe(key)}: prompt or principle differs from the cohort's",
                 )
+            if member.rollout_index is None and cohort.size > 1:
+                return self._arrive(cohort, digest, member)
             existing = cohort.members.get(slot)
             if existing is not None:
                 if existing.digest != digest:
                     return _conflict(key, slot, f"the {cohort.phase.value} cohort")
-                return cohort, True
+                return cohort, slot, True
             if cohort.scored is not None:  # judged over the members present, without this slot
                 return _closed(key, slot, len(cohort.scored), cohort.size)
             self._add_member(cohort, slot, digest, member)
-            return cohort, False
+            return cohort, slot, False
 
         if (watermark is not None and watermark.attempt == attempt and watermark.finished):
             # This attempt finished here and its record has since expired: waiting out a fresh
@@ -652,8 +681,87 @@ class CohortRegistry:
         if group_id is not None:
             self._advance_watermark(group_id, attempt, prompt_digest, now, watermark)
         cohort = self._open(key, prompt_input, fields.principle, prompt_digest, now)
+        cohort.by_arrival = by_arrival
         self._add_member(cohort, slot, digest, member)
-        return cohort, False
+        return cohort, slot, False
+
+    def _arrive(self, cohort: Cohort, digest: str,
+                member: VerifyMember) -> Outcome | tuple[Cohort, int, bool]:
+        """Admit a member that came without a slot into its active prompt-keyed cohort.
+
+        A client's retry and a sibling with the same text look alike (a low-temperature group
+        can hold two identical answers), so the registry goes by who is waiting: an identical
+        body re-attaches to a member with that digest whose every request has gone away (the
+        client timed out or lost its connection, then re-sent); while each such member still
+        has a live waiter, the body is a new sibling and takes the lowest free slot. A retry
+        that arrives before the registry noticed its earlier connection go (see
+        :meth:`verify_unless_gone`: a gone client is noticed once its cohort is
+        :data:`DISCONNECT_WATCH_AFTER_S` old, at once after that) is therefore counted as a
+        sibling; to keep that window short, an identical arrival makes the cohort's waiters
+        watch their connections at once. Once the cohort holds N members (it is being judged)
+        an identical body can only be a re-send: it re-attaches to the first member with that
+        digest; a different one is beyond N: 409 ``cohort_full``, or 409 ``cohort_closed``
+        for a cohort judged over the members present. Synchronous."""
+        twins = [slot for slot, m in cohort.members.items() if m.digest == digest]
+        for slot in twins:
+            if cohort.members[slot].waiters == 0:
+                self.counters["arrival_reattached"] += 1
+                return cohort, slot, True
+        if cohort.phase is Phase.COLLECTING and cohort.scored is None:
+            slot = next(s for s in range(cohort.size) if s not in cohort.members)
+            if twins:
+                self.counters["arrival_identical_siblings"] += 1
+                cohort.start_watching()
+            self._add_member(cohort, slot, digest, member)
+            return cohort, slot, False
+        if twins:
+            self.counters["arrival_reattached"] += 1
+            return cohort, twins[0], True
+        if cohort.scored is not None:
+            return _closed(cohort.key, None, len(cohort.scored), cohort.size)
+        self.counters["arrival_beyond_n"] += 1
+        return Failure(
+            409, "cohort_full",
+            f"{identity.describe(cohort.key)}: all {cohort.size} slots already hold other "
+            "responses (a member beyond num_rollouts_per_prompt: the group has more samples "
+            "than num_rollouts_per_prompt, or a retry was counted as a sibling); it gets no "
+            "reward",
+        )
+
+    def _replay_arrival(self, key: identity.CohortKey, record: _Record, index: int | None,
+                        digest: str, now: float) -> Outcome | None:
+        """A member of a prompt-keyed arrival cohort that has a retained record: the record's
+        answer for a member it holds (same digest; at the sent slot when one was sent): an
+        identical re-send replays. A member it does not hold: within the late-member window
+        (``cohort_collection_timeout_s`` after the cohort ended) a cohort judged without it
+        answers 409 ``cohort_closed`` and a failed one its failure, never a cohort of its own;
+        a completed full cohort, or any record past the window, is an older round of the same
+        prompt: the record is dropped and None returned (the caller opens a new cohort).
+        Synchronous."""
+        if index is not None:
+            slot = index if index < len(record.digests) and record.digests[index] == digest \
+                else None
+        else:
+            slot = next((s for s, d in enumerate(record.digests) if d == digest), None)
+        if slot is not None:
+            if record.failure is not None:
+                return record.failure
+            reward = record.rewards[slot]
+            assert reward is not None  # a slot with a digest was judged
+            return Rewarded(reward, record.defaulted, len(record.digests), record.scored,
+                            record.reused, slot)
+        full = record.failure is None and record.scored == len(record.digests)
+        if not full and now < record.closed_at + self._cfg.cohort_collection_timeout_s:
+            if record.failure is not None:
+                return record.failure
+            return _closed(key, index, record.scored, len(record.digests))
+        del self._records[key]
+        if self._journal is not None and record.failure is not None:
+            self._journal.delete_records([key])
+        self.counters["arrival_new_rounds"] += 1
+        return None
+
+
 
     def _advance_watermark(
         self, group_id: str, attempt: int, prompt_digest: str, now: float,
@@ -825,7 +933,8 @@ class CohortRegistry:
         started (eager) that the new plan has are kept, the others cancelled and counted as
         wasted. Synchronous. Returns False when the cohort must fail as incomplete."""
         cfg = self._cfg
-        if (cfg.incomplete_cohort_policy != "judge_present" or cohort.legacy
+        if (cfg.incomplete_cohort_policy != "judge_present"
+                or (cohort.legacy and not cohort.by_arrival)
                 or len(cohort.members) < min_members_present(cfg)):
             return False
         present = tuple(sorted(cohort.members))
@@ -1080,24 +1189,32 @@ class CohortRegistry:
         del self._active[key]
         self._crowd.cohorts = len(self._active)
         self._active_bytes -= cohort.size_bytes
+        failure = cohort.failure
+        # An arrival cohort's failure record knows its members' digests (in memory only: the
+        # journal keeps none for a failure), so a re-send is told from a late member.
+        kept_digests = cohort.digests
+        if cohort.by_arrival and failure is not None:
+            kept_digests = tuple(m.digest if (m := cohort.members.get(s)) is not None else None
+                                 for s in range(cohort.size))
         cohort.members = {}
         cohort.results = {}
         cohort.verdict_prefix = None
         cohort.judge_affinity.close()
-        failure = cohort.failure
         keep = (failure is not None and failure.kind != "shutdown") or (
-            failure is None and key.group_id is not None
+            failure is None and (key.group_id is not None or cohort.by_arrival)
         )
         if keep:
             ttl = self._cfg.cohort_result_ttl_s
-            if self._journal is not None:
+            # A completed legacy cohort's record lives in memory only (the journal keeps none:
+            # after a restart the same prompt is judged afresh, as legacy cohorts always were).
+            if self._journal is not None and (failure is not None or key.group_id is not None):
                 self._journal.put_record(
                     key, None if ttl is None else time.time() + ttl, cohort.digests,
                     cohort.rewards, dataclasses.asdict(failure) if failure is not None else None,
                 )
             expires_at = math.inf if ttl is None else now + ttl
-            self._records[key] = _Record(expires_at, cohort.digests, cohort.rewards, failure,
-                                         cohort.defaulted, cohort.reused)
+            self._records[key] = _Record(expires_at, kept_digests, cohort.rewards, failure,
+                                         cohort.defaulted, cohort.reused, now)
             self._records.move_to_end(key)
         if key.group_id is not None:
             group_id = key.group_id
@@ -1173,7 +1290,8 @@ class CohortRegistry:
         shown = _slots(s for s in range(cohort.size) if s not in cohort.members)
         why = "no reward is computed from an incomplete cohort"
         if cfg.incomplete_cohort_policy == "judge_present":
-            why = ("legacy groups (no _ng_group_id) are never judged partially" if cohort.legacy
+            why = ("legacy groups (no _ng_group_id) are judged partially only with "
+                   "legacy_slots: arrival" if cohort.legacy and not cohort.by_arrival
                    else f"incomplete_cohort_policy judge_present needs at least "
                         f"{min_members_present(cfg)} members")
         return self._failure(
@@ -1189,10 +1307,18 @@ def _slots(slots: Iterable[int], limit: int = 32) -> str:
     return ", ".join(str(s) for s in shown[:limit]) + (", ..." if len(shown) > limit else "")
 
 
-def _closed(key: identity.CohortKey, slot: int, scored: int, size: int) -> Failure:
+def _closed(key: identity.CohortKey, slot: int | None, scored: int, size: int) -> Failure:
+    what = "a member" if slot is None else f"slot {slot}"
+    if key.group_id is None:
+        return Failure(
+            409, "cohort_closed",
+            f"{identity.describe(key)}: {what} arrived after the cohort was judged without it "
+            f"({scored} of {size} members, incomplete_cohort_policy judge_present); a late "
+            "member never gets a reward nor a cohort of its own",
+        )
     return Failure(
         409, "cohort_closed",
-        f"group {_short(key.group_id or '')!r} attempt {key.attempt}: slot {slot} arrived after "
+        f"group {_short(key.group_id)!r} attempt {key.attempt}: {what} arrived after "
         f"the cohort was judged without it ({scored} of {size} members, incomplete_cohort_policy "
         "judge_present); a missing slot never gets a reward: resend the complete group with a "
         "higher _ng_group_attempt",

@@ -85,6 +85,10 @@ def bounds() -> dict[str, Any]:
         "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
         "duplicated_keys": "an interpreted top-level /verify key given twice: 400",
         "content_type": "absent or application/json (charset utf-8): else 415",
+        "get_reward_samples": f"/get_reward: at most {wire.MAX_GET_REWARD_SAMPLES} samples; "
+        "query, prompts and labels of one length: else 400",
+        "get_reward_label_chars": f"/get_reward: each label at most {wire.MAX_LABEL_CHARS} "
+        "characters as JSON: else 400",
     }
 
 
@@ -92,7 +96,7 @@ def build_openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the HTTP API, as a JSON-ready dict. Never blocks or raises."""
     _refs, components = msgspec.json.schema_components(
         [wire.VerifyFields, wire.CompareRequest, wire.AggregateMetricsRequest, wire.AggregateRow,
-         wire.ErrorBody],
+         wire.ErrorBody, wire.GetRewardRequest],
         ref_template=_REF,
     )
     components = dict(components)
@@ -191,6 +195,23 @@ def build_openapi() -> dict[str, Any]:
                     "415": _error("bad_request: Content-Type is not JSON", ("bad_request",)),
                     "503": _error("judge_failed or evaluation_error",
                                   ("judge_failed", "evaluation_error")),
+                },
+            }
+        },
+        "/get_reward": {
+            "post": {
+                "operationId": "get_reward",
+                "summary": "OpenRLHF's remote reward protocol: samples join prompt-keyed "
+                           "cohorts by arrival; rewards in sample order",
+                "requestBody": _json_body("GetRewardRequest"),
+                "responses": {
+                    "200": {"description": "{rewards, scores, extra_logs, "
+                                           "genrm_failure_reason}, one entry per sample"},
+                    "400": _error("bad_request", ("bad_request",)),
+                    "408": _error("request_timeout", ("request_timeout",)),
+                    "413": _error("too_large", ("too_large",)),
+                    "429": _error("overloaded", ("overloaded",)),
+                    "503": _error("shutdown", ("shutdown",)),
                 },
             }
         },
