@@ -228,6 +228,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     memory_limit_bytes: int | Literal["auto"] = "auto"
     state_sync: Literal["normal", "full"] = "normal"
     request_read_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
     max_compare_responses: int = 128
     verdict_reuse: Literal["group", "global", "off"] = "group"
     verdict_cache_max_entries: int = 65536
@@ -579,6 +580,7 @@ def _validate_config(cfg: Config) -> None:
             "state_sync", f"must be 'normal' or 'full', got {_show(cfg.state_sync)}"
         )
     _number("request_read_timeout_s", cfg.request_read_timeout_s, gt=0)
+    _number("send_timeout_s", cfg.send_timeout_s, gt=0)
     _number("max_compare_responses", cfg.max_compare_responses, ge=2, le=MAX_COMPARE_RESPONSES,
             integer=True)
     _choice("verdict_reuse", cfg.verdict_reuse, ("group", "global", "off"))

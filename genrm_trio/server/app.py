@@ -249,8 +249,11 @@ def _judge_structures(cfg: Config, status: dict[str, Any]) -> dict[str, dict[str
     }
 
 
-def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> tuple[int, bytes, list[
-        tuple[bytes, bytes]]]:
+Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]
+"""An encoded HTTP answer: status, JSON body, extra headers."""
+
+
+def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> Answer:
     """The HTTP answer for one member's outcome: status, encoded JSON body, extra headers.
     Encoded here, so the decoded body built for it is gone before the caller awaits the send
     (thousands of waiters may be released at once, to clients that read slowly)."""
@@ -312,7 +315,11 @@ class VerifyEndpoint:
             span.member(member)
             outcome = await self._registry.verify_unless_gone(
                 member, partial(_until_disconnect, receive), span)
-            label = await self._send_outcome(send, member, outcome)
+            answer = verify_answer(member, outcome) if outcome is not None else None
+            # The body is not held while its answer waits for a client that reads slowly:
+            # the answer alone counts towards max_active_bytes then (_ShieldedSend).
+            del member
+            label = await self._send_outcome(send, answer, outcome)
             detail = outcome.detail if isinstance(outcome, Failure) else None
         span.outcome(label, label == "masked", detail)
         if self._metrics is not None:
@@ -338,14 +345,15 @@ class VerifyEndpoint:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
 
-    async def _send_outcome(self, send: Any, member: wire.VerifyMember,
+    async def _send_outcome(self, send: Any, answer: Answer | None,
                             outcome: Outcome | None) -> str:
-        """Answer a waiter's outcome (None: the client went away, nobody to answer); returns
-        its label."""
-        if outcome is None:
+        """Send a waiter's ``answer`` (:func:`verify_answer` of its ``outcome``; None: the
+        client went away, nobody to answer); returns its label."""
+        if outcome is None or answer is None:
             self._disconnects.note()
             return "disconnected"
-        status, payload, headers = verify_answer(member, outcome)
+        status, payload, headers = answer
+        del answer
         await _send_payload(send, status, payload, headers)
         if isinstance(outcome, Rewarded):
             return "rewarded"
@@ -476,7 +484,11 @@ async def _send_payload(send: Any, status: int, payload: bytes,
 
 
 class _ShieldedSend:
-    """One request's ASGI ``send``, shielded and bounded (:func:`with_verify_fast_path`).
+    """One request's ASGI ``send``, shielded and bounded (:func:`with_verify_fast_path`), its
+    body bytes counted towards ``max_active_bytes`` until the connection has written them
+    (:meth:`CohortRegistry.answer_sending`): a client that reads slowly, or not at all, holds
+    its answer in this process until then (server/connections.py ends a send that makes no
+    progress for ``send_timeout_s``).
 
     Hypercorn closes a ``Connection: close`` socket inside the app's last send(); quart-trio
     cancels its request nursery as soon as hypercorn reports the stream done, which cancelled
@@ -486,12 +498,14 @@ class _ShieldedSend:
     message, under the same one scope. An object of its own rather than a closure: it lives as
     long as its request, and thousands of requests may wait at once (issue 21)."""
 
-    __slots__ = ("_send", "_shutdown", "_grace_s", "_start", "status")
+    __slots__ = ("_send", "_shutdown", "_grace_s", "_registry", "_start", "status")
 
-    def __init__(self, send: Any, shutdown: ShutdownDeadline, grace_s: float) -> None:
+    def __init__(self, send: Any, shutdown: ShutdownDeadline, grace_s: float,
+                 registry: CohortRegistry) -> None:
         self._send = send
         self._shutdown = shutdown
         self._grace_s = grace_s
+        self._registry = registry
         self._start: Any = None
         self.status: int | None = None  # the answer's, once started (for the request's span)
 
@@ -500,6 +514,8 @@ class _ShieldedSend:
             self._start = message
             self.status = message["status"]
             return
+        size = len(message.get("body", b""))
+        self._registry.answer_sending(size)
         with self._shutdown.scope(bound_s=self._grace_s, shield=True):
             try:
                 if self._start is not None:
@@ -512,6 +528,8 @@ class _ShieldedSend:
                 # can meet it: the connection is going away, nobody is left to answer. Seen
                 # with 413s to clients that close at once (bench soak).
                 pass
+            finally:
+                self._registry.answer_sent(size)
 
 
 def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
@@ -533,7 +551,7 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
             await app(scope, receive, send)
             return
 
-        shielded_send = _ShieldedSend(send, shutdown, grace_s)
+        shielded_send = _ShieldedSend(send, shutdown, grace_s, registry)
 
         routed = wire.strip_rollout_prefix(scope["path"])
         if routed is None:

@@ -47,6 +47,7 @@ import trio
 from genrm_trio import identity, scoring
 from genrm_trio.config import Config, min_members_present
 from genrm_trio.errors import GenRMError, JudgeFailed
+from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server import memory_limit
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Affinity, Crowd, GroupProgress, JudgeRequest
@@ -343,6 +344,12 @@ class CohortRegistry:
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
         self._duplicate_bytes = 0
+        # Bytes of answers handed to the connections and not yet taken by their clients
+        # (answer_sending / answer_sent): the same budget as members (issue 26).
+        self._unsent_bytes = 0
+        self._send_timeouts = RateLimitedNote(
+            logger, "a client took none of its answer for send_timeout_s: connection reset",
+            10.0)
         self._records: OrderedDict[identity.CohortKey, _Record] = OrderedDict()
         self._watermarks: dict[str, _Watermark] = {}
         # Groups with no active cohort, least recently idle first: the only eviction candidates.
@@ -501,6 +508,25 @@ class CohortRegistry:
             joined.waiters -= 1
         return self._outcome(cohort, slot)
 
+    def answer_sending(self, size: int) -> None:
+        """``size`` bytes of an answer are being written to a client: they count towards
+        ``max_active_bytes`` until :meth:`answer_sent` (called with the same size once the
+        send has returned, whatever ended it). Synchronous."""
+        self._unsent_bytes += size
+
+    def answer_sent(self, size: int) -> None:
+        self._unsent_bytes -= size
+
+    def send_timed_out(self) -> None:
+        """A connection was reset because its client took nothing for ``send_timeout_s``
+        (counted; logged at most once per 10 s). Synchronous."""
+        self.counters["send_timeouts"] += 1
+        self._send_timeouts.note()
+
+    def _over_budget(self) -> bool:
+        held = self._active_bytes + self._duplicate_bytes + self._unsent_bytes
+        return self._max_active_bytes is not None and held >= self._max_active_bytes
+
     def _outcome(self, cohort: Cohort, slot: int) -> Outcome:
         """A released waiter's outcome (counted once per waiter)."""
         outcome: Outcome | None = cohort.failure
@@ -539,6 +565,8 @@ class CohortRegistry:
             "retained_records": len(self._records),
             "watermarks": len(self._watermarks),
             "active_bytes": self._active_bytes + self._duplicate_bytes,
+            "unsent_answer_bytes": self._unsent_bytes,
+            "send_timeouts": self.counters["send_timeouts"],
         }
 
     def retention(self) -> dict[str, dict[str, Any]]:
@@ -632,13 +660,19 @@ class CohortRegistry:
                 return replayed
             record = None  # a new round of this prompt: the record was dropped
         if record is not None:
+            # A replay's answer echoes its body (a reward or a masked failure): past the
+            # budget it waits for room like a new cohort does (a 429 changes no state).
             if record.failure is not None:
+                if record.failure.masked and self._over_budget():
+                    return _overloaded(self._budget_reached())
                 return record.failure
             recorded, reward = record.digests[slot], record.rewards[slot]
             if recorded is None or reward is None:
                 return _closed(key, slot, record.scored, len(record.digests))
             if recorded != digest:
                 return _conflict(key, slot, "the completed cohort")
+            if self._over_budget():
+                return _overloaded(self._budget_reached())
             return Rewarded(reward, record.defaulted, len(record.digests), record.scored,
                             record.reused, slot)
 
@@ -675,9 +709,8 @@ class CohortRegistry:
         # A new cohort. Admission control first: a refusal changes no state.
         if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
             return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
-        held = self._active_bytes + self._duplicate_bytes
-        if self._max_active_bytes is not None and held >= self._max_active_bytes:
-            return _overloaded(f"max_active_bytes ({self._max_active_bytes}) reached")
+        if self._over_budget():
+            return _overloaded(self._budget_reached())
         if group_id is not None:
             self._advance_watermark(group_id, attempt, prompt_digest, now, watermark)
         cohort = self._open(key, prompt_input, fields.principle, prompt_digest, now)
@@ -762,6 +795,12 @@ class CohortRegistry:
         return None
 
 
+
+    def _budget_reached(self) -> str:
+        detail = f"max_active_bytes ({self._max_active_bytes}) reached"
+        if self._unsent_bytes:
+            detail += f" ({self._unsent_bytes} of them answers not yet taken by their clients)"
+        return detail
 
     def _advance_watermark(
         self, group_id: str, attempt: int, prompt_digest: str, now: float,

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from functools import partial
 from importlib.metadata import version
@@ -41,7 +43,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.lifespan import Lifespan
@@ -144,7 +146,56 @@ class _LeanTaskGroup(TaskGroup):
 
 class LeanTCPServer(TCPServer):
     """One plain-TCP connection: ``TCPServer`` with a read loop that holds nothing between
-    reads and a :class:`_LeanTaskGroup`; ``app`` is the ASGI app itself (no wrapper)."""
+    reads, a :class:`_LeanTaskGroup`, a send that ends the connection when it makes no
+    progress for ``send_timeout_s`` (``on_send_timeout`` is told), and a close as soon as
+    the peer's is read; ``app`` is the ASGI app itself (no wrapper)."""
+
+    def __init__(self, app: Any, config: HypercornConfig, context: WorkerContext,
+                 state: Any, stream: Any, *, send_timeout_s: float = math.inf,
+                 on_send_timeout: Callable[[], None] | None = None) -> None:
+        super().__init__(app, config, context, state, stream)
+        self._send_timeout_s = send_timeout_s
+        self._on_send_timeout = on_send_timeout
+
+    async def protocol_send(self, event: Event) -> None:
+        # TCPServer.protocol_send, with the bytes written by _send_within (a deadline on
+        # progress) instead of an unbounded shielded send_all. Still shielded: quart-trio
+        # cancels a request as soon as Hypercorn reports its stream done, mid-write.
+        if not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            with trio.CancelScope(shield=True):
+                outcome = await self._send_within(event.data)
+            if outcome == "stalled":
+                if self._on_send_timeout is not None:
+                    self._on_send_timeout()
+                _reset_on_close(self.stream.socket)
+                await self.stream.aclose()
+            if outcome != "sent":
+                await self.protocol.handle(Closed())
+
+    async def _send_within(self, data: bytes) -> str:
+        """Write ``data`` to the socket: ``"sent"``; ``"broken"`` when the connection is gone
+        (reset, closed meanwhile, its sending side shut down); ``"stalled"`` when a wait for
+        the socket to take more made no progress for ``send_timeout_s``. What trio's
+        ``SocketStream.send_all`` does, with that deadline moved on by every byte taken."""
+        sock = self.stream.socket
+        timeout_s = self._send_timeout_s
+        try:
+            with memoryview(data) as view:
+                total = len(view)
+                offset = 0
+                with trio.CancelScope(deadline=trio.current_time() + timeout_s) as waiting:
+                    while offset < total:
+                        with view[offset:] as rest:
+                            offset += await sock.send(rest)
+                        waiting.deadline = trio.current_time() + timeout_s
+                if offset < total:  # the deadline passed with nothing taken
+                    return "stalled"
+        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
+            return "broken"
+        return "sent"
 
     async def run(self) -> None:
         # TCPServer.run, without the TLS handshake (plain sockets only) and with our group.
@@ -170,6 +221,12 @@ class LeanTCPServer(TCPServer):
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data()
+                # The peer closed (or the read failed or timed out): nothing more can come.
+                # Hypercorn leaves its keep-alive timer running here, and this task group
+                # waits for it, so an idle connection whose client closed sat in CLOSE-WAIT
+                # for the whole keep_alive_timeout. Stopping it lets the group end as soon
+                # as the request in progress (if any) has ended, and the socket close.
+                await self.idle_task.stop()
         except OSError:
             pass
         finally:
@@ -202,18 +259,35 @@ class LeanTCPServer(TCPServer):
         await self.protocol.handle(Closed())
 
 
+def _reset_on_close(sock: trio.socket.SocketType) -> None:
+    """Make closing ``sock`` reset the connection (``SO_LINGER`` 0): what it still holds
+    unsent is dropped at once, not kept by the kernel for a peer that does not read."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass  # closed meanwhile
+
+
 async def serve(app: Any, config: HypercornConfig, *,
                 shutdown_trigger: Callable[..., Awaitable[None]] | None = None,
+                send_timeout_s: float = math.inf,
+                on_send_timeout: Callable[[], None] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` (ASGI) as ``hypercorn.trio.serve(app, config, ...)`` does, each plain-TCP
     connection by a :class:`LeanTCPServer`: the ASGI lifespan runs around it (startup before the
     first accept, shutdown after the last connection); the bound URLs are reported through
     ``task_status``; once ``shutdown_trigger`` returns, accepting stops and open connections get
-    ``config.graceful_timeout`` to finish before they are cancelled. Configurations this module
-    does not cover (another Hypercorn, TLS, QUIC, several workers, ``max_requests``) are served
-    by Hypercorn's own ``serve``."""
+    ``config.graceful_timeout`` to finish before they are cancelled. A connection whose send
+    makes no progress for ``send_timeout_s`` is reset (``on_send_timeout`` is called, in the
+    connection's task). Configurations this module does not cover (another Hypercorn, TLS,
+    QUIC, several workers, ``max_requests``) are served by Hypercorn's own ``serve``, which has
+    neither the send timeout nor the prompt close (logged once at start)."""
     if (not lean_connections_supported() or config.ssl_enabled or config.quic_bind
             or config.workers != 1 or config.max_requests is not None):
+        logger.warning(
+            "served by Hypercorn %s's own serve (not the lean connections): no send timeout, "
+            "and a connection its client closed stays open until keep_alive_timeout",
+            version("hypercorn"))
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
                               task_status=task_status, mode="asgi")
         return
@@ -231,7 +305,8 @@ async def serve(app: Any, config: HypercornConfig, *,
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         urls.append("http://" + repr_socket_addr(sock.family, sock.getsockname()))
     connection = partial(LeanTCPServer, app, config, context,
-                         ConnectionState(lifespan_state.copy()))
+                         ConnectionState(lifespan_state.copy()), send_timeout_s=send_timeout_s,
+                         on_send_timeout=on_send_timeout)
 
     async with trio.open_nursery() as outer:  # the lifespan task lives here
         await outer.start(lifespan.handle_lifespan)

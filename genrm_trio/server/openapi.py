@@ -83,6 +83,8 @@ def bounds() -> dict[str, Any]:
         "max_request_bytes": "config max_request_bytes (default 16 MiB): 413",
         "max_compare_responses": "config max_compare_responses (default 128): 400",
         "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
+        "send_timeout_s": "config send_timeout_s (default 60): a client that takes none of its "
+        "answer for this long is disconnected",
         "duplicated_keys": "an interpreted top-level /verify key given twice: 400",
         "content_type": "absent or application/json (charset utf-8): else 415",
         "get_reward_samples": f"/get_reward: at most {wire.MAX_GET_REWARD_SAMPLES} samples; "

@@ -192,6 +192,11 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
     yield _gauge("genrm_watermarks", "Group attempt watermarks retained.", snap["watermarks"])
     yield _gauge("genrm_active_bytes", "Request bytes held by active cohorts.",
                  snap["active_bytes"])
+    yield _gauge("genrm_unsent_answer_bytes", "Answer bytes not yet taken by their clients "
+                 "(counted in max_active_bytes).", snap["unsent_answer_bytes"])
+    yield CounterMetricFamily("genrm_send_timeouts", "Connections reset because their client "
+                              "took none of an answer for send_timeout_s.",
+                              value=snap["send_timeouts"])
     yield _gauge("genrm_shutting_down", "1 once shutdown has begun.",
                  1.0 if registry.shutting_down else 0.0)
     counters = registry.counters

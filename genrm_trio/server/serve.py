@@ -204,6 +204,8 @@ async def _serve_in(
                                   tracer=tracer),
             _hypercorn_config(cfg),
             shutdown_trigger=shutdown_trigger,
+            send_timeout_s=cfg.send_timeout_s,
+            on_send_timeout=registry.send_timed_out,
             task_status=task_status,
         )
         begin_shutdown()
