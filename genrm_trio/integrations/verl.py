@@ -308,8 +308,8 @@ def _report(outcomes: Iterable[Outcome], where: str) -> None:
         text = (f"masked: {first.reason[:_REASON_CHARS]}" if isinstance(first, Masked) else
                 f"{first.kind}: {first.detail[:_REASON_CHARS]}" if isinstance(first, Failed)
                 else "")
-        logger.warning("%s: %d samples got the masked score %.1f (first %s)", where, len(bad),
-                       MASKED_SCORE, text)
+        logger.warning("%s: %d samples got the masked score %.1f (first %s)", where,
+                       len(bad), MASKED_SCORE, text)
 
 
 # ----------------------------------------------------------------------------- veRL's side
@@ -391,7 +391,8 @@ class _RewardLoopManager:
                         responses_create_params={"input": rcp_input},
                         response=response_object(text, response_id="resp_" + uuid.uuid4().hex))
         outcome, placed = await verify_with_free_slot(client, member, self.n)
-        _report([outcome], type(self).__name__)
+        if placed.slot == 0:  # one line per cohort, not per sample
+            _report([outcome], f"{type(self).__name__}: cohort {placed.group_id!r}")
         score, info = outcome_entry(outcome, placed)
         return {"reward_score": score, "reward_extra_info": info}
 
