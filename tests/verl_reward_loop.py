@@ -57,10 +57,9 @@ def save_tokenizer(path: Path) -> Any:
 
 
 def compose(tok_dir: Path, url: str, n: int, extra: list[str]) -> Any:
+    import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-
-    import verl
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     overrides = [
@@ -83,7 +82,6 @@ def build_batch(tok: Any, prompts: list[str], responses: list[list[str]], n: int
     generated tensors (left-padded prompts, right-padded responses) joined to them."""
     import numpy as np
     import torch
-
     from verl import DataProto
 
     raw_prompt = np.empty(len(prompts), dtype=object)
@@ -136,7 +134,6 @@ async def score_with_workers(workers: list[Any], data: Any, manager_cls: Any) ->
     """As RewardLoopManager.compute_rm_score: pad, chunk per worker, score every chunk at once,
     unpad, assemble with the manager class's own assemble_rm_scores."""
     import numpy as np
-
     from verl.protocol import pad_dataproto_to_divisor
 
     padded, pad_size = pad_dataproto_to_divisor(data, len(workers))
