@@ -134,7 +134,8 @@ def test_the_walk_sees_the_packages() -> None:
     modules = all_modules()
     assert {"genrm_trio.bench.cli", "genrm_trio.mock.judge", "genrm_trio.torture.local",
             "genrm_trio.server.app", "genrm_trio.caller.collect", "genrm_trio.integrations.client",
-            "genrm_trio.integrations.trl"} <= set(modules)
+            "genrm_trio.integrations.trl", "genrm_trio.integrations.verl",
+            "genrm_trio.integrations.slime"} <= set(modules)
     g = graph(modules)
     assert ("genrm_trio.bench.loadgen", "") in g["genrm_trio.bench.rig"]
     # a lazy import inside a function counts
@@ -174,5 +175,9 @@ def test_the_check_catches_bad_arrows(tmp_path: Path) -> None:
         "genrm_trio.integrations.client (integrations) imports caller's genrm_trio.caller.collect"]
     assert planted("genrm_trio.integrations.client", "from genrm_trio.mock import judge") == [
         "genrm_trio.integrations.client (integrations) imports tool's genrm_trio.mock.judge"]
+    assert planted("genrm_trio.integrations.verl", "from genrm_trio.server import app") == [
+        "genrm_trio.integrations.verl (integrations) imports server's genrm_trio.server.app"]
+    assert planted("genrm_trio.server.cohort", "from genrm_trio.integrations import slime") == [
+        "genrm_trio.server.cohort (server) imports the trainer hook genrm_trio.integrations.slime"]
     (cycle,) = planted("genrm_trio.bench.records", "from genrm_trio.bench.run import run_bench")
     assert cycle.startswith("import cycle: ") and "genrm_trio.bench.records" in cycle
