@@ -22,8 +22,8 @@ Modes:
   legacy keyword arguments, called with ``return_dict=True`` on a batch reordered by veRL's
   own ``RayPPOTrainer._balance_batch`` (two data-parallel ranks).
 - ``pool``: one worker, on a loop whose default executor has 32 threads (veRL's bound on a
-  machine with 28 or more cores), scores ``--prompts`` x n samples at once: more members
-  waiting than threads.
+  machine with 28 or more cores), scores ``--prompts`` x n samples at once, in slot-major
+  order (no group complete among the first 32): more members waiting than threads.
 """
 
 from __future__ import annotations
@@ -227,6 +227,10 @@ def main() -> None:
         responses = [[f"{words[(k + j) % 8]} is {'really ' * j}{words[k % 8]}"
                       for j in range(n)] for k in range(args.prompts)]
         data = build_batch(tok, prompts, responses, n)
+        # Slot-major, as a balanced batch can be: every group's first sample, then every
+        # second one...: the first 32 samples complete no group.
+        data.reorder(__import__("torch").tensor(
+            [k * n + j for j in range(n) for k in range(args.prompts)]))
 
         async def scored() -> tuple[Any, Any]:
             loop = asyncio.get_running_loop()
