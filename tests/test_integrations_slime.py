@@ -1,8 +1,9 @@
 """The slime group reward's own logic (``genrm_trio/integrations/slime.py``), without slime.
 
-The members of a group (slot = position, one fresh group id per call), the settings, and what
-each outcome does to a sample, against the real server in process on 127.0.0.1 port 0 (the
-client tests' ``server``). The call slime makes is tested in ``tests/test_slime.py`` (opt-in).
+The members of a group (slot = position, one fresh group id per call), the ``/compare``
+request, the settings and the route, and what each outcome does to a sample, on both routes
+against the real server in process on 127.0.0.1 port 0 (the client tests' ``server``). The
+call slime makes is tested in ``tests/test_slime.py`` (opt-in).
 """
 
 from __future__ import annotations
@@ -81,33 +82,57 @@ def test_settings_come_from_args_then_the_environment() -> None:
 async def test_rewards_come_back_in_the_groups_order(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="genrm_trio.server"):
         async with server() as url:
-            args = argparse.Namespace(genrm_url=url, n_samples_per_prompt=N)
+            args = argparse.Namespace(genrm_url=url, n_samples_per_prompt=N,
+                                      genrm_route="cohort")
             samples = group(3)
             rewards = await gslime.group_rm(args, samples)
+            # The default route, one /compare: the same pairs and judge, the same rewards.
+            compared = await gslime.group_rm(argparse.Namespace(
+                genrm_url=url, n_samples_per_prompt=N), group(3))
     (line,) = dispositions(caplog)
     assert line.kind == "completed" and line.members == N  # type: ignore[attr-defined]
     logged = json.loads(re.search(r"rewards (\[[^\]]*\])", line.getMessage()).group(1))  # type: ignore[union-attr]
     assert len(set(logged)) > 1
     assert rewards == pytest.approx(logged, abs=1e-4)  # slot k's reward on sample k
+    assert compared == rewards
     assert not any(s.remove_sample for s in samples)
 
 
-async def test_a_masked_cohort_removes_its_samples() -> None:
+@pytest.mark.parametrize("route", gslime.ROUTES)
+async def test_a_masked_group_removes_its_samples(route: str) -> None:
     judge = MockJudgeState(fault=Fault.HTTP_503)
     async with server(judge=judge) as url:
         samples = group(5)
-        rewards = await gslime.group_rm(argparse.Namespace(genrm_url=url,
-                                                           n_samples_per_prompt=N), samples)
+        rewards = await gslime.group_rm(argparse.Namespace(
+            genrm_url=url, n_samples_per_prompt=N, genrm_route=route), samples)
     assert rewards == [gslime.MASKED_SCORE] * N == [0.0] * N
     assert all(s.remove_sample and s.metadata["genrm_masked"] for s in samples)
     assert all("503" in s.metadata["genrm_failure"] for s in samples)
 
 
-async def test_n_must_match_the_server() -> None:
+def test_the_route_is_compare_unless_cohort_is_asked_for() -> None:
+    assert gslime.slime_route(argparse.Namespace()) == "compare"
+    assert gslime.slime_route(argparse.Namespace(genrm_route="cohort")) == "cohort"
+    with pytest.raises(ValueError, match="genrm_route must be one of compare, cohort"):
+        gslime.slime_route(argparse.Namespace(genrm_route="verify"))
+    history, responses = gslime.compare_request(group(2))
+    assert history == [{"role": "user", "content": "question 2"}]
+    assert [r["output"][0]["content"][0]["text"] for r in responses] == [
+        s.response for s in group(2)]
+    chat = [Sample(prompt=[{"role": "system", "content": "be brief"},
+                           {"role": "user", "content": "hi"}], response="r")]
+    assert gslime.compare_request(chat)[0] == [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "hi"}]
+
+
+async def test_n_must_match_the_server_for_cohorts() -> None:
     async with server(n=8) as url:
         with pytest.raises(ValueError, match="num_rollouts_per_prompt is 8"):
-            await gslime.group_rm(argparse.Namespace(genrm_url=url, n_samples_per_prompt=N),
-                                  group(0))
+            await gslime.group_rm(argparse.Namespace(genrm_url=url, n_samples_per_prompt=N,
+                                                     genrm_route="cohort"), group(0))
+        # /compare judges any group size: the server's N is not involved.
+        assert len(await gslime.group_rm(argparse.Namespace(
+            genrm_url=url, n_samples_per_prompt=N), group(0))) == N
 
 
 def test_each_outcome_on_a_sample() -> None:

@@ -13,9 +13,10 @@ thread. The samples are instances of a dataclass with the fields of slime's ``Sa
 (``slime/utils/types.py``) that the call reads and sets.
 
 ``genrm-trio mock-judge`` and ``genrm-trio serve`` (``num_rollouts_per_prompt: 4``, JSON logs)
-run as subprocesses on 127.0.0.1 port 0. Checked against the server's own log: 12 rewards from
-3 cohorts of 4, each sample's reward its slot's; then a garbage verdict masks a group: 0.0 for
-every sample, each marked ``remove_sample``.
+run as subprocesses on 127.0.0.1 port 0. With ``genrm_route: cohort``, checked against the
+server's own log: 12 rewards from 3 cohorts of 4, each sample's reward its slot's; the same
+groups through the default route (one ``/compare`` each) get the same rewards; then a garbage
+verdict masks a group on each route: 0.0 for every sample, each marked ``remove_sample``.
 """
 
 from __future__ import annotations
@@ -99,17 +100,25 @@ async def test_slimes_group_reward_call_gets_cohort_rewards(tmp_path: Path) -> N
                                  judge_urls=(judge,)) as server:
             args = argparse.Namespace(
                 group_rm=True, custom_rm_path="genrm_trio.integrations.slime.group_rm",
-                n_samples_per_prompt=N, genrm_url=server.url, rm_type=None, reward_key=None)
+                n_samples_per_prompt=N, genrm_url=server.url, genrm_route="cohort",
+                rm_type=None, reward_key=None)
             batch = groups(0, 3)
             with trio.fail_after(300):
                 await trio.to_thread.run_sync(slime_rollout, args, batch)
+            # The default route, /compare, on the same groups: the same pairs, the same rewards.
+            compared = groups(0, 3)
+            with trio.fail_after(300):
+                await trio.to_thread.run_sync(slime_rollout, argparse.Namespace(
+                    **{**vars(args), "genrm_route": "compare"}), compared)
             async with httpx2.AsyncClient() as http:
                 answer = await http.post(judge + "/admin/fault",
                                          json={"fault": "garbage", "count": None})
                 assert answer.status_code == 200
-            masked = groups(3, 1)
+            masked, masked_compared = groups(3, 1), groups(4, 1)
             with trio.fail_after(300):
                 await trio.to_thread.run_sync(slime_rollout, args, masked)
+                await trio.to_thread.run_sync(slime_rollout, argparse.Namespace(
+                    **{**vars(args), "genrm_route": "compare"}), masked_compared)
             server_log = server.log_path.read_text()
         nursery.cancel_scope.cancel()
     lines = [json.loads(line) for line in server_log.splitlines() if '"event":"cohort"' in line]
@@ -123,6 +132,8 @@ async def test_slimes_group_reward_call_gets_cohort_rewards(tmp_path: Path) -> N
         assert len(set(rewards[name])) > 1
     (failed,) = [x for x in lines if x["kind"] == "judge_failed"]
     assert failed["members"] == N and failed["key"].endswith(":g3' attempt 0")
-    assert [s.reward for s in masked[0]] == [0.0] * N
-    assert all(s.remove_sample and s.metadata["genrm_masked"] for s in masked[0])
-    assert all("no parseable verdict" in s.metadata["genrm_failure"] for s in masked[0])
+    assert [[s.reward for s in g] for g in compared] == [[s.reward for s in g] for g in batch]
+    for group in (masked[0], masked_compared[0]):
+        assert [s.reward for s in group] == [0.0] * N
+        assert all(s.remove_sample and s.metadata["genrm_masked"] for s in group)
+        assert all("no parseable verdict" in s.metadata["genrm_failure"] for s in group)

@@ -43,6 +43,10 @@ second member. A 429 ``overloaded`` (no cohort was opened) is re-sent after its
 ``Retry-After``, for at most ``max_overload_wait_s`` in total (default: the collection
 deadline), then :class:`RequestRefused` with the 429.
 
+**Stateless groups.** :meth:`GenRMClient.compare` posts a whole group to ``/compare`` in one
+request (slime's group reward: the caller holds the group), with the same re-sends; its
+outcomes are the same three kinds.
+
 **Bounds.** At most ``max_connections`` connections (and so members waiting) per client; no
 thread, only one task per waiting member. :meth:`GenRMClient.verify_groups` admits whole groups:
 a group's members are sent together and only when there is a connection for each of them, in
@@ -302,6 +306,10 @@ class GenRMClient:
             headers["Authorization"] = f"Bearer {self._token}"
         self._http = httpx2.AsyncClient(
             headers=headers,
+            # Plain HTTP needs no TLS context, and httpx2's default one (the CA bundle loaded)
+            # costs about 40 ms of CPU per client: the hooks open a client per call (slime:
+            # per group). https URLs keep the default verification.
+            verify=not self.url.startswith("http://"),
             timeout=httpx2.Timeout(None, connect=self._connect_timeout_s),
             limits=httpx2.Limits(max_connections=self.max_connections,
                                  max_keepalive_connections=self.max_connections),
@@ -416,6 +424,63 @@ class GenRMClient:
                 await anyio.sleep(self._backoff_s(failures))
                 continue
             raise RequestRefused(status, kind if isinstance(kind, str) else None,
+                                 _detail(answer))
+
+    async def compare(self, conversation_history: Sequence[Mapping[str, Any]],
+                      responses: Sequence[Mapping[str, Any]],
+                      principle: str | None = None) -> list[Outcome]:
+        """``POST /compare``: ``responses`` judged now, statelessly, one outcome each in their
+        order: :class:`Rewarded` (``answer`` is the whole body), or for all of them
+        :class:`Masked` (503 ``judge_failed``: the judge failed, or the evaluation deadline
+        passed) or :class:`Failed` (503 ``evaluation_error``, ``shutdown``). Transport errors
+        and proxy answers are re-sent as for :meth:`verify` (a re-send is judged again: there
+        is no record to replay); waits up to ``cohort_evaluation_timeout_s`` plus ``slack_s``.
+        Raises :class:`ClientError` as :meth:`verify` does."""
+        settings = await self.settings()
+        fields: dict[str, Any] = {"conversation_history": list(conversation_history),
+                                  "response_objs": list(responses)}
+        if principle is not None:
+            fields["principle"] = principle
+        body = _ENCODER.encode(fields)
+        wait_s = (settings.evaluation_timeout_s if settings.evaluation_timeout_s > 0
+                  else settings.wait_s) + self._slack_s
+        failures = 0
+        while True:
+            try:
+                with anyio.fail_after(wait_s):
+                    answer = await self._client().post(self.url + "/compare", content=body)
+            except TimeoutError as exc:
+                raise WaitExceeded(f"/compare of {len(responses)} responses: no answer within "
+                                   f"{wait_s:.0f} s") from exc
+            except _RESENDABLE as exc:
+                failures += 1
+                if failures > self._transport_retries:
+                    raise ServerUnreachable(f"/compare: {type(exc).__name__}: {exc} "
+                                            f"({failures} tries)") from exc
+                await anyio.sleep(self._backoff_s(failures))
+                continue
+            parsed = _json_object(answer)
+            kind = parsed.get("failure_kind") if parsed is not None else None
+            rewards = parsed.get("rewards") if parsed is not None else None
+            if answer.status_code == 200 and isinstance(rewards, list) and len(rewards) == len(
+                    responses):
+                if not all(isinstance(r, int | float) and not isinstance(r, bool)
+                           and math.isfinite(r) for r in rewards):
+                    raise RequestRefused(200, None, f"/compare answered rewards {rewards!r}")
+                assert parsed is not None
+                return [Rewarded(float(r), parsed) for r in rewards]
+            if kind == "judge_failed":
+                return [Masked(_detail(answer), parsed or {}) for _ in responses]
+            if kind in ("evaluation_error", "shutdown"):
+                return [Failed(answer.status_code, kind, _detail(answer)) for _ in responses]
+            if answer.status_code in _PROXY_STATUSES and kind is None:
+                failures += 1
+                if failures > self._transport_retries:
+                    raise ServerUnreachable(f"/compare: HTTP {answer.status_code} "
+                                            f"{_detail(answer)} ({failures} tries)")
+                await anyio.sleep(self._backoff_s(failures))
+                continue
+            raise RequestRefused(answer.status_code, kind if isinstance(kind, str) else None,
                                  _detail(answer))
 
     async def verify_groups(self, members: Sequence[Member]) -> list[Outcome]:
