@@ -57,8 +57,9 @@ veRL's validation metrics skip them); ``genrm_member`` is ``<group id>#<slot>``.
 **The legacy manager** :class:`GenRMRewardManager` is an ``AbstractRewardManager``
 (``verl/workers/reward_manager/abstract.py``: ``__init__(tokenizer, num_examine,
 compute_score, reward_fn_key, **reward_kwargs)``, ``__call__(data, return_dict)``), for the
-releases whose trainer calls one manager with the whole batch (``reward_model.use_reward_loop:
-false``, before 0.9; 0.9.1's trainer has no such path but still ships the class). It sees the
+releases whose trainer calls one manager with the whole batch (those that still have
+``reward_model.use_reward_loop``, set to false; 0.9.1's trainer has no such path but still
+ships the class). It sees the
 batch in the trainer's order (reordered by ``_balance_batch``): it groups the rows by uid, each
 group's slots in the order its rows appear, sends every group as one cohort (whole groups at a
 time, :meth:`~genrm_trio.integrations.client.GenRMClient.verify_groups`) and puts each reward
