@@ -15,15 +15,15 @@ only training samples come here.
 (``sample.prompt``, a string or chat messages) as ``conversation_history``, the answers
 (``sample.response``) as ``response_objs`` in the group's order, judged at once with the same
 pairs and judge calls as a cohort. Measured (``bench/slime_cohort_vs_compare.py``: 64 groups
-of 8 at once through this function, mock judge at 20 ms a call, a shared 2-core machine) it
-costs the server about half the CPU of a cohort (0.72 s against 1.32 s) and the caller about a
-fifth (0.18 s against 0.92 s), wall time 0.80 s against 1.59 s: one request per group instead
-of N, so one body to decode and one answer to send, one connection, and no cohort state,
-waiters, deadlines or record. What it gives up: a re-sent request is judged again (no record
-to replay), and there is no cohort disposition log line, journal, verdict reuse or cohort
-metrics. ``genrm_route: cohort`` sends the group as one cohort of explicit members instead:
-group id ``slime:<fresh uuid>:g<group_index>`` (a partial rollout's resubmitted group is a new
-cohort), slot = position, attempt 0, every member at once
+of 8 at once through this function, mock judge at 20 ms a call, a shared 2-core machine, two
+runs) it costs the server 0.6 times the CPU of a cohort (0.72 s against 1.32 s, 0.86 s against
+1.44 s) and the caller a quarter or less (0.18 s against 0.92 s, 0.25 s against 0.98 s): one
+request per group instead of N, so one body to decode and one answer to send, one connection,
+and no cohort state, waiters, deadlines or record. What it gives up: a re-sent request is
+judged again (no record to replay), and there is no cohort disposition log line, journal,
+verdict reuse or cohort metrics. ``genrm_route: cohort`` sends the group as one cohort of
+explicit members instead: group id ``slime:<fresh uuid>:g<group_index>`` (a partial rollout's
+resubmitted group is a new cohort), slot = position, attempt 0, every member at once
 (:meth:`~genrm_trio.integrations.client.GenRMClient.verify_groups`: one connection and one task
 each on slime's loop, no thread), so the cohort is full on arrival. Either way N (the list's
 length) must equal ``args.n_samples_per_prompt`` (and, for cohorts, the server's
