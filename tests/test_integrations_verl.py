@@ -234,3 +234,21 @@ def test_every_outcome_has_the_same_extra_keys() -> None:
         assert score == (1.5 if isinstance(outcome, Rewarded) else 0.0)
     assert gverl.outcome_entry(Failed(503, "cohort_incomplete", "x"), member_)[1][
         "genrm_failure_kind"] == "cohort_incomplete"
+
+
+async def test_the_reward_loop_keeps_one_client_per_loop() -> None:
+    """``run_single`` runs once per sample: the manager's client is opened once on the loop
+    and kept (a client per sample would be a connection pool and a /status read per sample)."""
+    manager = object.__new__(gverl._RewardLoopManager)  # veRL's base class is not here
+    async with server() as url:
+        manager.options = gverl.GenRMOptions(url)
+        manager.n = N
+        manager._client = None
+        first = await manager.client()
+        assert await manager.client() is first
+        await manager.aclose()
+        assert manager._client is None
+        manager.n = 8
+        with pytest.raises(ValueError, match="rollout.n is 8"):
+            await manager.client()
+        await manager.aclose()

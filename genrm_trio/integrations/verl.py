@@ -357,8 +357,8 @@ class _RewardLoopManager:
         """This process's client for the running loop (veRL's worker keeps one loop; another
         loop gets a client of its own). Its first use reads the server's settings and checks
         its N against ``rollout.n``."""
-        token = anyio.lowlevel.current_token()
-        if self._client is None or self._client[0] is not token:
+        token = anyio.lowlevel.current_token()  # a new object each call, equal on one loop
+        if self._client is None or self._client[0] != token:
             client = self.options.client(max_connections=UNBOUNDED_CONNECTIONS)
             await client.__aenter__()
             self._client = (token, client)
