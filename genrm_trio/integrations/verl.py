@@ -339,7 +339,7 @@ def _prompt_of(tokenizer: Any, row: Any, non_tensor: Mapping[str, Any]) -> Any:
 
 class _RewardLoopManager:
     """The logic of :class:`GenRMRewardLoopManager`; the class veRL loads adds
-    ``RewardManagerBase`` (for ``assemble_rm_scores``) in front of it."""
+    ``RewardManagerBase`` (for ``assemble_rm_scores``) after it."""
 
     def __init__(self, config: Any, tokenizer: Any, compute_score: Any = None,
                  reward_router_address: str | None = None,
