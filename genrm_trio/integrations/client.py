@@ -143,11 +143,12 @@ class RequestRefused(ClientError):
     """The server refused the request: ``status`` (4xx or 500), its ``failure_kind`` (None when
     the body had none) and ``detail``, cut to :data:`DETAIL_CHARS`."""
 
-    def __init__(self, status: int, kind: str | None, detail: str) -> None:
+    def __init__(self, status: int, kind: str | None, detail: str, *,
+                 path: str = "/verify") -> None:
         self.status = status
         self.kind = kind
         self.detail = detail
-        super().__init__(f"/verify answered {status} {kind or ''}: {detail}".replace("  ", " "))
+        super().__init__(f"{path} answered {status} {kind or ''}: {detail}".replace("  ", " "))
 
 
 class ServerUnreachable(ClientError):
@@ -466,7 +467,7 @@ class GenRMClient:
                     responses):
                 if not all(isinstance(r, int | float) and not isinstance(r, bool)
                            and math.isfinite(r) for r in rewards):
-                    raise RequestRefused(200, None, f"/compare answered rewards {rewards!r}")
+                    raise RequestRefused(200, None, f"rewards {rewards!r}", path="/compare")
                 assert parsed is not None
                 return [Rewarded(float(r), parsed) for r in rewards]
             if kind == "judge_failed":
@@ -481,7 +482,7 @@ class GenRMClient:
                 await anyio.sleep(self._backoff_s(failures))
                 continue
             raise RequestRefused(answer.status_code, kind if isinstance(kind, str) else None,
-                                 _detail(answer))
+                                 _detail(answer), path="/compare")
 
     async def verify_groups(self, members: Sequence[Member]) -> list[Outcome]:
         """Outcomes of ``members``, in their order. Members are grouped by ``group_id``;

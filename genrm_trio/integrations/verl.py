@@ -17,7 +17,9 @@ sample carries its ``uid`` (one uuid4 per prompt, set before the batch is repeat
 it is a validation sample. The manager's class method ``assemble_rm_scores`` (inherited from
 ``RewardManagerBase``) puts each score at the sample's last valid response token, in batch
 order; ``reward_extra_info`` values become arrays keyed by the FIRST sample's keys, so every
-sample must return the same keys.
+sample must return the same keys. With ``reward.reward_model.enable`` and no
+``custom_reward_function.path`` the worker scores with that model instead and never calls the
+manager: keep it off.
 
 :class:`GenRMRewardLoopManager` therefore:
 
