@@ -19,10 +19,14 @@ from typing import Annotated, Any
 
 import msgspec
 
-from genrm_trio.errors import BadCoordinates, BadRequest
+from genrm_trio.errors import BadCoordinates, BadRequest, TooManyValues
 
 JSON_ENCODER = msgspec.json.Encoder()
-JSON_DECODER = msgspec.json.Decoder()
+#: Every body decoder parses floats with Python's ``float`` (``float_hook``): msgspec's own parser
+#: takes 9 to 11 us for each literal with a large exponent (``1e300``), 50 times ``float``'s cost,
+#: so a body of them would hold the loop for seconds (issue 26). The values are the same: both
+#: round correctly.
+JSON_DECODER = msgspec.json.Decoder(float_hook=float)
 
 #: Old NeMo Gym spellings accepted on input; answers use only the ``_ng_`` names.
 IDENTITY_ALIASES = MappingProxyType(
@@ -62,6 +66,16 @@ MAX_IDENTITY_CHARS = 512
 #: every caller's JSON library can read back).
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+#: Default of config ``max_json_values``, the most JSON values a body may hold, counted before
+#: it is decoded (:func:`json_values_bound`). Decoding, checking and weighing a body costs up to
+#: about 0.5 us of the event loop per value (``[{}, {}, ...]``, ``[1e300, ...]``), so this keeps
+#: every body under about 50 ms; the largest NeMo Gym 0.7.0 example rollout counts 27,039 (a
+#: 290-item tool-calling trajectory), a 200-turn one with reasoning and tool calls about 60,000.
+DEFAULT_MAX_JSON_VALUES = 100_000
+# The bytes that can precede a JSON value or key: every value but the outermost follows a ``[``,
+# ``,`` or ``:``, every key a ``{`` or ``,``.
+_STRUCTURAL_BYTES = (b"{", b"[", b",", b":")
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 Attempt = Annotated[int, msgspec.Meta(le=INT64_MAX)]
@@ -137,8 +151,8 @@ class _ResponseOnly(msgspec.Struct):
     response: dict[str, Any]
 
 
-_MEMBER_FIELDS_DECODER = msgspec.json.Decoder(MemberFields)
-_RESPONSE_DECODER = msgspec.json.Decoder(_ResponseOnly)
+_MEMBER_FIELDS_DECODER = msgspec.json.Decoder(MemberFields, float_hook=float)
+_RESPONSE_DECODER = msgspec.json.Decoder(_ResponseOnly, float_hook=float)
 
 
 class VerifyMember(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -217,24 +231,10 @@ def _validation_detail(exc: msgspec.ValidationError) -> str:
     return f"invalid request body: {exc}"
 
 
-def _bound_violation(obj: Any) -> str | None:
+def _bound_violation(obj: dict[str, Any]) -> str | None:
     """The first place where ``obj`` breaks a bound (depth or int64), as a message naming its
-    JSON path, or None. Iterative: a hostile body cannot exhaust the Python stack."""
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    pop, push = stack.pop, stack.append
-    while stack:
-        value, depth = pop()
-        if depth > MAX_JSON_DEPTH:
-            break
-        for item in value.values() if isinstance(value, dict) else value:
-            if isinstance(item, (dict, list)):
-                push((item, depth + 1))
-            elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
-                break
-        else:
-            continue
-        break
-    else:
+    JSON path, or None."""
+    if _weigh_within_bounds(obj) is not None:
         return None
     return _describe_violation(obj, "$", 1)
 
@@ -260,6 +260,29 @@ def _describe_violation(value: Any, path: str, depth: int) -> str | None:
     return None
 
 
+def json_values_bound(raw: bytes) -> int:
+    """An upper bound of the JSON values in ``raw``, object keys counted as values: one plus its
+    ``{``, ``[``, ``,`` and ``:`` bytes (every value but the outermost follows one of them, and
+    so does every key). Four ``bytes.count`` calls: about 6 ms per count for 16 MiB, against
+    seconds to decode a body of tiny values. Characters inside strings count too, so prose
+    counts about one per 30 bytes, tool output holding code or JSON up to one per 11. Pure."""
+    return 1 + sum(raw.count(byte) for byte in _STRUCTURAL_BYTES)
+
+
+def check_json_values(raw: bytes, max_values: int) -> None:
+    """Raise :class:`TooManyValues` (413) when ``raw`` may hold more than ``max_values`` JSON
+    values (:func:`json_values_bound`), before anything decodes it. A body shorter than the
+    bound is not counted: it cannot hold more values than it has bytes."""
+    if len(raw) < max_values:
+        return
+    values = json_values_bound(raw)
+    if values > max_values:
+        raise TooManyValues(
+            f"request body may hold {values} JSON values (1 plus its {{ [ , : characters), "
+            f"more than max_json_values ({max_values})"
+        )
+
+
 def decoded_size(obj: dict[str, Any]) -> int:
     """The bytes a decoded JSON body holds: ``sys.getsizeof`` of every object, string and
     number in it (cached small ints and singletons counted too, a slight overcount).
@@ -267,35 +290,56 @@ def decoded_size(obj: dict[str, Any]) -> int:
     Not the body's length: one character outside Latin-1 doubles a string's size in memory
     (U+2014, an em dash, makes every character of a long answer take 2 bytes), one outside the
     BMP (an emoji) quadruples it, and a list of small objects (``[{}, {}, ...]``) takes 20 and
-    more times its text. Iterative, like :func:`_bound_violation`; a few microseconds for a
-    realistic body, whose size is in a few long strings."""
-    getsize = sys.getsizeof
-    size = 0
-    stack: list[Any] = [obj]
-    pop, push = stack.pop, stack.append
-    while stack:
-        value = pop()
-        size += getsize(value)
-        if isinstance(value, dict):
-            for key, item in value.items():
-                size += getsize(key)
-                if isinstance(item, (dict, list)):
-                    push(item)
-                else:
-                    size += getsize(item)
-        else:
-            for item in value:
-                if isinstance(item, (dict, list)):
-                    push(item)
-                else:
-                    size += getsize(item)
+    more times its text. Equal to :func:`_weigh_within_bounds` of a body within the bounds."""
+    size = _weigh_within_bounds(obj)
+    if size is None:
+        raise ValueError("decoded_size: the object breaks a bound (depth or int64)")
     return size
 
 
-def decode_object(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON body that must be an object within the bounds (depth, int64).
+def _weigh_within_bounds(obj: dict[str, Any] | list[Any]) -> int | None:
+    """:func:`decoded_size` of ``obj``, or None when it breaks a bound (depth or int64): one
+    walk for both, since each visit of a Python object costs the event loop (issue 26). The
+    shallow sizes of a container's members are summed in C (``map``); the Python loop only
+    picks out the containers to visit and the integers to range-check. Iterative: a hostile
+    body cannot exhaust the Python stack."""
+    getsize = sys.getsizeof
+    size = getsize(obj)
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        value, depth = pop()
+        if depth > MAX_JSON_DEPTH:
+            return None
+        if type(value) is dict:
+            size += sum(map(getsize, value))
+            items: Any = value.values()
+        else:
+            items = value
+        size += sum(map(getsize, items))
+        for item in items:
+            kind = type(item)
+            if kind is dict or kind is list:
+                push((item, depth + 1))
+            elif kind is int and not INT64_MIN <= item <= INT64_MAX:
+                return None
+    return size
 
-    Raises :class:`BadRequest` naming the problem and its JSON path."""
+
+def decode_object(raw: bytes, max_values: int = DEFAULT_MAX_JSON_VALUES) -> dict[str, Any]:
+    """Decode a JSON body that must be an object within the bounds (values, depth, int64).
+
+    Raises :class:`TooManyValues` past ``max_values`` (config ``max_json_values``), before
+    decoding, and :class:`BadRequest` naming the problem and its JSON path."""
+    obj = _decode_object(raw, max_values)
+    violation = _bound_violation(obj)
+    if violation is not None:
+        raise BadRequest(f"invalid request body: {violation}")
+    return obj
+
+
+def _decode_object(raw: bytes, max_values: int) -> dict[str, Any]:
+    check_json_values(raw, max_values)
     try:
         obj = JSON_DECODER.decode(raw)
     except RecursionError as exc:
@@ -306,9 +350,6 @@ def decode_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise BadRequest(f"request body must be a JSON object, got {_json_type(obj)} at `$`")
-    violation = _bound_violation(obj)
-    if violation is not None:
-        raise BadRequest(f"invalid request body: {violation}")
     return obj
 
 
@@ -344,17 +385,22 @@ def _duplicated_key(raw: bytes) -> str | None:
 
 
 def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
-                  arrival_slots: bool = False) -> VerifyMember:
+                  arrival_slots: bool = False,
+                  max_values: int = DEFAULT_MAX_JSON_VALUES) -> VerifyMember:
     """Validate a ``/verify`` body (``rollout_id``: NeMo Gym's, from the request path).
 
-    Raises :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
+    Raises :class:`TooManyValues` (413) past ``max_values`` (config ``max_json_values``),
+    :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
     :class:`BadCoordinates` (422) for a missing or out-of-range rollout index or a negative
     attempt. With ``arrival_slots`` (config ``legacy_slots: arrival``) a legacy member (no group
     id) may leave the rollout index out: the registry gives it the next free slot of its
     prompt-keyed cohort. The decoded body is not kept: the member holds ``raw`` (see
     :class:`VerifyMember`).
     """
-    body = decode_object(raw)
+    body = _decode_object(raw, max_values)
+    size_bytes = _weigh_within_bounds(body)
+    if size_bytes is None:
+        raise BadRequest(f"invalid request body: {_describe_violation(body, '$', 1)}")
     duplicated = _duplicated_key(raw)
     if duplicated is not None:
         raise BadRequest(f"invalid request body: key appears more than once - at `$.{duplicated}`")
@@ -404,15 +450,17 @@ def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
         attempt=attempt or 0,
         attempt_given=attempt is not None,
         rollout_index=fields.rollout_index,
-        size_bytes=decoded_size(body),
+        size_bytes=size_bytes,
         rollout_id=rollout_id,
     )
 
 
-def decode_compare(raw: bytes, max_responses: int) -> CompareRequest:
-    """Validate a ``/compare`` body; raises :class:`BadRequest` naming the JSON path, also when
-    ``response_objs`` holds more than ``max_responses`` (config ``max_compare_responses``)."""
-    obj = decode_object(raw)
+def decode_compare(raw: bytes, max_responses: int,
+                   max_values: int = DEFAULT_MAX_JSON_VALUES) -> CompareRequest:
+    """Validate a ``/compare`` body; raises :class:`TooManyValues` past ``max_values``,
+    :class:`BadRequest` naming the JSON path, also when ``response_objs`` holds more than
+    ``max_responses`` (config ``max_compare_responses``)."""
+    obj = decode_object(raw, max_values)
     try:
         request = msgspec.convert(obj, CompareRequest)
     except msgspec.ValidationError as exc:
@@ -425,10 +473,12 @@ def decode_compare(raw: bytes, max_responses: int) -> CompareRequest:
     return request
 
 
-def decode_aggregate(raw: bytes) -> AggregateMetricsRequest:
+def decode_aggregate(raw: bytes,
+                     max_values: int = DEFAULT_MAX_JSON_VALUES) -> AggregateMetricsRequest:
     """Validate an ``/aggregate_metrics`` body: each row's interpreted keys are typed
-    (:class:`AggregateRow`); raises :class:`BadRequest` naming the JSON path."""
-    obj = decode_object(raw)
+    (:class:`AggregateRow`); raises :class:`TooManyValues` past ``max_values``,
+    :class:`BadRequest` naming the JSON path."""
+    obj = decode_object(raw, max_values)
     try:
         msgspec.convert(obj, _TypedAggregateRequest)
         return msgspec.convert(obj, AggregateMetricsRequest)

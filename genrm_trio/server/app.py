@@ -146,7 +146,8 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
 
     @app.post("/compare")
     async def compare() -> Response:
-        body = wire.decode_compare(await _read_body(), cfg.max_compare_responses)
+        body = wire.decode_compare(await _read_body(), cfg.max_compare_responses,
+                                   cfg.max_json_values)
         span = cast(RequestSpan, request.scope.get(TRACE_SCOPE_KEY, NO_REQUEST_SPAN))
         return await _compare(cfg, judge, body, span)
 
@@ -178,14 +179,14 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     @app.post("/seed_session")
     @app.post("/close_session")
     async def session_hook() -> Response:
-        body = wire.decode_object(await _read_body() or b"{}")
+        body = wire.decode_object(await _read_body() or b"{}", cfg.max_json_values)
         if "resources_session_id" in body:
             return json_response({"resources_session_id": body["resources_session_id"]})
         return json_response({})
 
     @app.post("/aggregate_metrics")
     async def aggregate_metrics() -> Response:
-        body = wire.decode_aggregate(await _read_body())
+        body = wire.decode_aggregate(await _read_body(), cfg.max_json_values)
         metrics = metrics_mod.aggregate_metrics(body.verify_responses)
         # The same canonical bytes `collect` and `aggregate` write to disk.
         return Response(metrics_mod.encode_metrics(metrics), status=200, content_type=JSON)
@@ -340,7 +341,8 @@ class VerifyEndpoint:
             return "bad_request"
         try:
             return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id,
-                                      arrival_slots=self._cfg.legacy_slots == "arrival")
+                                      arrival_slots=self._cfg.legacy_slots == "arrival",
+                                      max_values=self._cfg.max_json_values)
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"

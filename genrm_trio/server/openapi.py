@@ -81,6 +81,9 @@ def bounds() -> dict[str, Any]:
         "rollout_id": f"/ng-rollout/<rollout_id>/...: {wire.ROLLOUT_ID_PATTERN}, at most "
         f"{wire.MAX_ROLLOUT_ID_CHARS} characters: else 404",
         "max_request_bytes": "config max_request_bytes (default 16 MiB): 413",
+        "max_json_values": "config max_json_values (default "
+        f"{wire.DEFAULT_MAX_JSON_VALUES:,}): JSON values, counted as 1 plus the body's "
+        "{ [ , : bytes before it is decoded: 413",
         "max_compare_responses": "config max_compare_responses (default 128): 400",
         "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
         "send_timeout_s": "config send_timeout_s (default 60): a client that takes none of its "
