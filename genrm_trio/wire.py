@@ -22,11 +22,7 @@ import msgspec
 from genrm_trio.errors import BadCoordinates, BadRequest, TooManyValues
 
 JSON_ENCODER = msgspec.json.Encoder()
-#: Every body decoder parses floats with Python's ``float`` (``float_hook``): msgspec's own parser
-#: takes 9 to 11 us for each literal with a large exponent (``1e300``), 50 times ``float``'s cost,
-#: so a body of them would hold the loop for seconds (issue 26). The values are the same: both
-#: round correctly.
-JSON_DECODER = msgspec.json.Decoder(float_hook=float)
+JSON_DECODER = msgspec.json.Decoder()
 
 #: Old NeMo Gym spellings accepted on input; answers use only the ``_ng_`` names.
 IDENTITY_ALIASES = MappingProxyType(
@@ -67,15 +63,20 @@ MAX_IDENTITY_CHARS = 512
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
-#: Default of config ``max_json_values``, the most JSON values a body may hold, counted before
-#: it is decoded (:func:`json_values_bound`). Decoding, checking and weighing a body costs up to
-#: about 0.5 us of the event loop per value (``[{}, {}, ...]``, ``[1e300, ...]``), so this keeps
-#: every body under about 50 ms; the largest NeMo Gym 0.7.0 example rollout counts 27,039 (a
-#: 290-item tool-calling trajectory), a 200-turn one with reasoning and tool calls about 60,000.
-DEFAULT_MAX_JSON_VALUES = 100_000
-# The bytes that can precede a JSON value or key: every value but the outermost follows a ``[``,
-# ``,`` or ``:``, every key a ``{`` or ``,``.
-_STRUCTURAL_BYTES = (b"{", b"[", b",", b":")
+#: Default of config ``max_json_values``: the most JSON values a body may hold, counted on its
+#: bytes before it is decoded (:func:`json_value_count`, which weighs each kind by what it costs
+#: to decode). msgspec decodes about 12 million counted values a second here (a plain value
+#: 20 to 80 ns, an object or array 100 to 400 ns, a number whose exponent sends msgspec down its
+#: exact path, ``1e300``, 9 to 11 us), so a body at the bound costs one decode of at most about
+#: 45 ms of the event loop, and each of the cohort's later decodes of it the same (issue 26).
+#: Real bodies count far less: a 200-turn NeMo Gym tool-calling trajectory about 60,000, a
+#: 10-turn one that carries NeMo RL's token ids and log-probs about 250,000 (README "Bounds").
+DEFAULT_MAX_JSON_VALUES = 500_000
+#: What an object or an array counts, in values: decoding one costs 2 to 8 plain values.
+CONTAINER_WEIGHT = 8
+#: What a number with an exponent counts, in values: msgspec takes up to 11 us for some
+#: (``1e300``, ``9e300``), 200 plain values' worth.
+EXPONENT_WEIGHT = 200
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 Attempt = Annotated[int, msgspec.Meta(le=INT64_MAX)]
@@ -151,8 +152,8 @@ class _ResponseOnly(msgspec.Struct):
     response: dict[str, Any]
 
 
-_MEMBER_FIELDS_DECODER = msgspec.json.Decoder(MemberFields, float_hook=float)
-_RESPONSE_DECODER = msgspec.json.Decoder(_ResponseOnly, float_hook=float)
+_MEMBER_FIELDS_DECODER = msgspec.json.Decoder(MemberFields)
+_RESPONSE_DECODER = msgspec.json.Decoder(_ResponseOnly)
 
 
 class VerifyMember(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -260,27 +261,41 @@ def _describe_violation(value: Any, path: str, depth: int) -> str | None:
     return None
 
 
-def json_values_bound(raw: bytes) -> int:
-    """An upper bound of the JSON values in ``raw``, object keys counted as values: one plus its
-    ``{``, ``[``, ``,`` and ``:`` bytes (every value but the outermost follows one of them, and
-    so does every key). Four ``bytes.count`` calls: about 6 ms per count for 16 MiB, against
-    seconds to decode a body of tiny values. Characters inside strings count too, so prose
-    counts about one per 30 bytes, tool output holding code or JSON up to one per 11. Pure."""
-    return 1 + sum(raw.count(byte) for byte in _STRUCTURAL_BYTES)
+def json_value_count(raw: bytes, limit: int | None = None) -> int:
+    """The JSON values in ``raw``, weighed by what they cost to decode, counted on the bytes
+    with a few C-speed passes (``bytes.replace``, ``split``, ``join``, ``count``: 10 to 100 ms
+    for 16 MiB in all, none over about 10 ms, so the count can run in a worker thread without
+    holding the event loop). Strings are taken out first (after the escaped backslashes and
+    quotes), so the characters inside them count nothing; outside them, every value but the
+    outermost follows a ``[``, ``,`` or ``:`` and every key a ``{`` or ``,``, so the count is
+    1 plus those, each object or array counting :data:`CONTAINER_WEIGHT` and each number with an
+    exponent (an ``e`` or ``E`` outside strings, ``true`` and ``false`` aside)
+    :data:`EXPONENT_WEIGHT`. With ``limit``, a body whose strings alone are more than ``limit``
+    stops there, before its strings are split out, and counts its strings. For a body that is
+    not JSON the count is an estimate, which decoding then refuses anyway. Pure."""
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    strings = raw.count(b'"') // 2
+    if limit is not None and strings > limit:
+        return strings
+    outside = b"".join(raw.split(b'"')[::2]) if strings else raw
+    count = outside.count
+    exponents = count(b"e") + count(b"E") - count(b"true") - count(b"false")
+    return (1 + count(b",") + count(b":") + CONTAINER_WEIGHT * (count(b"{") + count(b"["))
+            + EXPONENT_WEIGHT * exponents)
 
 
-def check_json_values(raw: bytes, max_values: int) -> None:
-    """Raise :class:`TooManyValues` (413) when ``raw`` may hold more than ``max_values`` JSON
-    values (:func:`json_values_bound`), before anything decodes it. A body shorter than the
-    bound is not counted: it cannot hold more values than it has bytes."""
-    if len(raw) < max_values:
-        return
-    values = json_values_bound(raw)
+def check_json_values(raw: bytes, max_values: int) -> int:
+    """The body's :func:`json_value_count`, or :class:`TooManyValues` (413) past
+    ``max_values`` (config ``max_json_values``), before anything decodes it."""
+    values = json_value_count(raw, max_values)
     if values > max_values:
         raise TooManyValues(
-            f"request body may hold {values} JSON values (1 plus its {{ [ , : characters), "
-            f"more than max_json_values ({max_values})"
+            f"request body holds more JSON values than max_json_values ({max_values}): "
+            f"counted at least {values} (objects and arrays count {CONTAINER_WEIGHT}, numbers "
+            f"with an exponent {EXPONENT_WEIGHT})"
         )
+    return values
 
 
 def decoded_size(obj: dict[str, Any]) -> int:
@@ -301,8 +316,10 @@ def _weigh_within_bounds(obj: dict[str, Any] | list[Any]) -> int | None:
     """:func:`decoded_size` of ``obj``, or None when it breaks a bound (depth or int64): one
     walk for both, since each visit of a Python object costs the event loop (issue 26). The
     shallow sizes of a container's members are summed in C (``map``); the Python loop only
-    picks out the containers to visit and the integers to range-check. Iterative: a hostile
-    body cannot exhaust the Python stack."""
+    picks out the containers to visit and the integers to range-check, and only in a container
+    that holds some (``set(map(type, ...))``; a list of integers alone, token ids, is
+    range-checked by ``min`` and ``max``). Iterative: a hostile body cannot exhaust the Python
+    stack."""
     getsize = sys.getsizeof
     size = getsize(obj)
     stack: list[tuple[Any, int]] = [(obj, 1)]
@@ -317,13 +334,23 @@ def _weigh_within_bounds(obj: dict[str, Any] | list[Any]) -> int | None:
         else:
             items = value
         size += sum(map(getsize, items))
-        for item in items:
-            kind = type(item)
-            if kind is dict or kind is list:
-                push((item, depth + 1))
-            elif kind is int and not INT64_MIN <= item <= INT64_MAX:
+        kinds = set(map(type, items))
+        if kinds == _INTS:  # token ids: range-checked in C
+            if items and not (INT64_MIN <= min(items) and max(items) <= INT64_MAX):
                 return None
+        elif not kinds.isdisjoint(_VISITED):
+            for item in items:
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push((item, depth + 1))
+                elif kind is int and not INT64_MIN <= item <= INT64_MAX:
+                    return None
     return size
+
+
+_INTS = frozenset({int})
+# The kinds of member :func:`_weigh_within_bounds` visits one by one.
+_VISITED = frozenset({dict, list, int})
 
 
 def decode_object(raw: bytes, max_values: int = DEFAULT_MAX_JSON_VALUES) -> dict[str, Any]:
@@ -385,7 +412,7 @@ def _duplicated_key(raw: bytes) -> str | None:
 
 
 def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
-                  arrival_slots: bool = False,
+                  arrival_slots: bool = False, *,
                   max_values: int = DEFAULT_MAX_JSON_VALUES) -> VerifyMember:
     """Validate a ``/verify`` body (``rollout_id``: NeMo Gym's, from the request path).
 
@@ -583,11 +610,13 @@ class GetRewardRequest(msgspec.Struct, kw_only=True):
     labels: list[Any] | None = None
 
 
-def decode_get_reward(raw: bytes) -> GetRewardRequest:
-    """Validate a ``/get_reward`` body; raises :class:`BadRequest` naming the JSON path: wrong
-    types, more than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a
-    label longer than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
-    obj = decode_object(raw)
+def decode_get_reward(raw: bytes,
+                      max_values: int = DEFAULT_MAX_JSON_VALUES) -> GetRewardRequest:
+    """Validate a ``/get_reward`` body; raises :class:`TooManyValues` past ``max_values``
+    (config ``max_json_values``), :class:`BadRequest` naming the JSON path: wrong types, more
+    than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a label longer
+    than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
+    obj = decode_object(raw, max_values)
     try:
         request = msgspec.convert(obj, GetRewardRequest)
     except msgspec.ValidationError as exc:

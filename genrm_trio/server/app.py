@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import trio
 from quart import Response, request
@@ -63,6 +64,39 @@ NOTE_INTERVAL_S = 10.0
 """At most one log line per this many seconds for disconnects, 429s and 401s each."""
 TRACE_SCOPE_KEY = "genrm_trio.trace"
 """Where a traced request's span sits in its ASGI scope, for the quart routes (``/compare``)."""
+INLINE_DECODE_BYTES = 64 * 1024
+"""A body up to this size that counts at most :data:`INLINE_DECODE_VALUES` JSON values is
+decoded on the event loop (a millisecond or two at most); any other in a worker thread
+(:class:`BodyDecoder`)."""
+INLINE_DECODE_VALUES = 20_000
+BODY_DECODER_KEY = "genrm.body_decoder"
+"""Where :func:`create_app` leaves its :class:`BodyDecoder` (``app.extensions``), so that the
+``/verify`` fast path shares it."""
+
+_T = TypeVar("_T")
+
+
+class BodyDecoder:
+    """Where request bodies are decoded, validated and weighed (issue 26): a small one on the
+    event loop, any other in a worker thread, one at a time (a :class:`trio.CapacityLimiter` of
+    one; bodies that wait hold only the bytes already read).
+
+    The thread does not make decoding free: msgspec and every ``bytes`` method hold the GIL for
+    the whole of one call, so the loop waits for the longest single C call, which
+    ``max_json_values`` bounds (about 45 ms at its default; wire.py). What the thread takes off
+    the loop is everything between those calls, the value count's passes and the walk that
+    checks the bounds and weighs the body (Python code, which hands the GIL back to the loop
+    within ``sys.getswitchinterval()``, 5 ms). The decode functions raise
+    :class:`TooManyValues` before decoding a body past the bound, in the thread too."""
+
+    def __init__(self) -> None:
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def __call__(self, decode: Callable[[bytes], _T], raw: bytes) -> _T:
+        if len(raw) <= INLINE_DECODE_BYTES and (
+                wire.json_value_count(raw, INLINE_DECODE_VALUES) <= INLINE_DECODE_VALUES):
+            return decode(raw)
+        return await trio.to_thread.run_sync(decode, raw, limiter=self._limiter)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -144,16 +178,20 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         headers = {"Connection": "close"} if status == 413 else None
         return error_response(status, exc.description or exc.name, kind, headers)
 
+    decoder = BodyDecoder()
+    app.extensions[BODY_DECODER_KEY] = decoder
+
     @app.post("/compare")
     async def compare() -> Response:
-        body = wire.decode_compare(await _read_body(), cfg.max_compare_responses,
-                                   cfg.max_json_values)
+        body = await decoder(partial(wire.decode_compare, max_responses=cfg.max_compare_responses,
+                                     max_values=cfg.max_json_values), await _read_body())
         span = cast(RequestSpan, request.scope.get(TRACE_SCOPE_KEY, NO_REQUEST_SPAN))
         return await _compare(cfg, judge, body, span)
 
     @app.post("/get_reward")
     async def get_reward() -> Response:
-        body = wire.decode_get_reward(await _read_body())
+        body = await decoder(partial(wire.decode_get_reward, max_values=cfg.max_json_values),
+                             await _read_body())
         return await _get_reward(cfg, registry, body)
 
     @app.get("/")
@@ -179,14 +217,16 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     @app.post("/seed_session")
     @app.post("/close_session")
     async def session_hook() -> Response:
-        body = wire.decode_object(await _read_body() or b"{}", cfg.max_json_values)
+        body = await decoder(partial(wire.decode_object, max_values=cfg.max_json_values),
+                             await _read_body() or b"{}")
         if "resources_session_id" in body:
             return json_response({"resources_session_id": body["resources_session_id"]})
         return json_response({})
 
     @app.post("/aggregate_metrics")
     async def aggregate_metrics() -> Response:
-        body = wire.decode_aggregate(await _read_body(), cfg.max_json_values)
+        body = await decoder(partial(wire.decode_aggregate, max_values=cfg.max_json_values),
+                             await _read_body())
         metrics = metrics_mod.aggregate_metrics(body.verify_responses)
         # The same canonical bytes `collect` and `aggregate` write to disk.
         return Response(metrics_mod.encode_metrics(metrics), status=200, content_type=JSON)
@@ -286,10 +326,15 @@ class VerifyEndpoint:
     """
 
     def __init__(self, cfg: Config, registry: CohortRegistry,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None,
+                 decoder: BodyDecoder | None = None) -> None:
         self._cfg = cfg
         self._registry = registry
         self._metrics = metrics
+        self._decoder = decoder if decoder is not None else BodyDecoder()
+        self._decode = partial(wire.decode_verify, num_rollouts=cfg.num_rollouts_per_prompt,
+                               arrival_slots=cfg.legacy_slots == "arrival",
+                               max_values=cfg.max_json_values)
         self._disconnects = RateLimitedNote(
             logger, "client went away before its /verify answer (its waiter removed)",
             NOTE_INTERVAL_S)
@@ -340,9 +385,7 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id,
-                                      arrival_slots=self._cfg.legacy_slots == "arrival",
-                                      max_values=self._cfg.max_json_values)
+            return await self._decoder(partial(self._decode, rollout_id=rollout_id), raw)
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
@@ -544,7 +587,7 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
     is bounded by ``shutdown_grace_s`` and, once shutdown has begun, by its one deadline.
     With tracing on, each request but the probes and ``/metrics`` has a SERVER span
     (``tracer.request``), ended with the answer's status when the request is done."""
-    verify = VerifyEndpoint(cfg, registry, metrics)
+    verify = VerifyEndpoint(cfg, registry, metrics, app.extensions.get(BODY_DECODER_KEY))
     grace_s = cfg.shutdown_grace_s
     refused = RateLimitedNote(logger, "request refused: 401 unauthorized", NOTE_INTERVAL_S)
 
