@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from typing import Any
 
 import msgspec
@@ -258,3 +259,16 @@ async def test_a_refused_body_changes_no_state() -> None:
             assert refused[0] == 413, (path, refused)
         (after,) = await raw_http(url, [("GET", "/status", b"")])
         assert json.loads(after[2])["cohorts"] == json.loads(before[2])["cohorts"]
+
+
+async def test_the_body_decoder_takes_big_bodies_off_the_event_loop() -> None:
+    decoder = app_mod.BodyDecoder()
+    small = enc({"x": [0] * 100})
+    many = enc({"x": [0] * app_mod.INLINE_DECODE_VALUES})  # small in bytes, many values
+    long = enc({"x": "a" * (app_mod.INLINE_DECODE_BYTES + 1)})
+    loop = threading.get_ident()
+    assert await decoder(lambda raw: threading.get_ident(), small) == loop
+    assert await decoder(lambda raw: threading.get_ident(), many) != loop
+    assert await decoder(lambda raw: threading.get_ident(), long) != loop
+    with pytest.raises(TooManyValues):  # raised in the thread, answered as on the loop
+        await decoder(lambda raw: wire.decode_object(raw, 1000), many)
