@@ -6,6 +6,11 @@ Pure core: no I/O, no trio. Inbound ``/verify`` bodies are echoed back as they w
 (:class:`VerifyMember`) keeps its body as the bytes received, not decoded: it may wait for its
 cohort for the whole collection deadline, and the bytes are a single object of about half the
 size of the dicts and strings they decode into (issue 21).
+
+Decoding a large body is a generator of steps (``*_steps``: each step one C call of bounded
+cost, such as a count over the bytes, msgspec's decode, part of the walk that weighs the
+result), so that the server can let the event loop run between them (server/app.py, issue 26);
+the plain functions run the same steps at once (:func:`run_steps`). Still no I/O, no trio.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import json
 import math
 import re
 import sys
+from collections.abc import Generator
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
@@ -120,6 +126,16 @@ _INTERPRETED_KEYS: tuple[str, ...] = (
 _KEY_CANDIDATE = re.compile(
     rb'"(' + b"|".join(re.escape(k.encode()) for k in _INTERPRETED_KEYS) + rb')"[ \t\r\n]*:'
 )
+
+
+_INTERPRETED_NAMES = frozenset(k.encode() for k in _INTERPRETED_KEYS)
+_LONGEST_NAME = 2 + max(map(len, _INTERPRETED_KEYS))
+_LONGEST_ESCAPED = 2 + 6 * 32
+_NOT_WHITESPACE = re.compile(rb"[^ \t\r\n]")
+# A key that could spell an interpreted one with escapes: letters, underscores and \uXXXX
+# escapes only (the names are [a-z_], at most 23 of them), at least one escape, then a colon.
+_ESCAPED_KEY = re.compile(
+    rb'"(?=[A-Za-z_\\]{0,200}\\u)(?:[A-Za-z_]|\\u[0-9A-Fa-f]{4}){1,32}"(?=[ \t\r\n]*:)')
 
 
 class VerifyFields(msgspec.Struct, kw_only=True):
@@ -261,34 +277,84 @@ def _describe_violation(value: Any, path: str, depth: int) -> str | None:
     return None
 
 
+_T = TypeVar("_T")
+#: A computation in steps: each ``yield`` is a point where the caller may let other work run;
+#: the generator's return value is the result.
+Steps = Generator[None, None, _T]
+#: The structural bytes :func:`json_value_count` adds up first, each with its weight (monotone:
+#: the count may stop as soon as it passes the limit).
+_COUNTED = ((b",", 1), (b":", 1), (b"{", CONTAINER_WEIGHT), (b"[", CONTAINER_WEIGHT))
+#: :func:`_weigh_steps` yields after visiting about this many members.
+_WEIGH_STEP_ITEMS = 16384
+#: :func:`json_value_count_steps` splits strings out of this many bytes at a time.
+_COUNT_WINDOW = 1 << 20
+
+
+def run_steps(steps: Generator[None, None, _T]) -> _T:
+    """Run ``steps`` to the end at once and return its result (callers with no loop to let
+    run: the plain ``decode_*`` functions, tools, tests)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(_T, done.value)
+
+
 def json_value_count(raw: bytes, limit: int | None = None) -> int:
+    """The JSON values in ``raw``, weighed by what they cost to decode (see
+    :func:`json_value_count_steps`)."""
+    return run_steps(json_value_count_steps(raw, limit))
+
+
+def json_value_count_steps(raw: bytes, limit: int | None = None) -> Steps[int]:
     """The JSON values in ``raw``, weighed by what they cost to decode, counted on the bytes
-    with a few C-speed passes (``bytes.replace``, ``split``, ``join``, ``count``: 10 to 100 ms
-    for 16 MiB in all, none over about 10 ms, so the count can run in a worker thread without
-    holding the event loop). Strings are taken out first (after the escaped backslashes and
-    quotes), so the characters inside them count nothing; outside them, every value but the
-    outermost follows a ``[``, ``,`` or ``:`` and every key a ``{`` or ``,``, so the count is
-    1 plus those, each object or array counting :data:`CONTAINER_WEIGHT` and each number with an
+    with C-speed passes (``bytes.replace``, ``count``, and per :data:`_COUNT_WINDOW` of the
+    body ``split``, ``join`` and ``count``: 10 to 60 ms for 16 MiB in all, a step per pass or
+    window, none over about 10 ms). Strings are taken out first (after the escaped backslashes
+    and quotes), so the characters inside them count nothing; outside them, every value but the
+    outermost follows a ``[``, ``,`` or ``:`` and every key a ``{`` or ``,``, so the count is 1
+    plus those, each object or array counting :data:`CONTAINER_WEIGHT` and each number with an
     exponent (an ``e`` or ``E`` outside strings, ``true`` and ``false`` aside)
-    :data:`EXPONENT_WEIGHT`. With ``limit``, a body whose strings alone are more than ``limit``
-    stops there, before its strings are split out, and counts its strings. For a body that is
-    not JSON the count is an estimate, which decoding then refuses anyway. Pure."""
+    :data:`EXPONENT_WEIGHT` (a ``true`` or ``false`` cut by a window's edge counts as one).
+    With ``limit`` the count stops once it is past ``limit`` (a body whose strings alone are
+    more stops before any is split out): 15 MB of ``{}`` is refused after one window. For a
+    body that is not JSON the count is an estimate, which decoding then refuses anyway. Pure."""
     if b"\\" in raw:
-        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+        raw = raw.replace(b"\\\\", b"")
+        yield
+        raw = raw.replace(b'\\"', b"")
+        yield
     strings = raw.count(b'"') // 2
     if limit is not None and strings > limit:
         return strings
-    outside = b"".join(raw.split(b'"')[::2]) if strings else raw
-    count = outside.count
-    exponents = count(b"e") + count(b"E") - count(b"true") - count(b"false")
-    return (1 + count(b",") + count(b":") + CONTAINER_WEIGHT * (count(b"{") + count(b"["))
-            + EXPONENT_WEIGHT * exponents)
+    yield
+    total = 1
+    in_string = False  # whether the window starts inside a string
+    for start in range(0, len(raw), _COUNT_WINDOW):
+        window = raw[start:start + _COUNT_WINDOW]
+        if b'"' in window:
+            parts = window.split(b'"')
+            outside = b"".join(parts[1 if in_string else 0::2])
+            in_string ^= len(parts) % 2 == 0  # an odd number of quotes in the window
+            del parts
+        elif in_string:
+            continue
+        else:
+            outside = window
+        count = outside.count
+        total += sum(weight * count(byte) for byte, weight in _COUNTED)
+        total += EXPONENT_WEIGHT * (count(b"e") + count(b"E") - count(b"true")
+                                    - count(b"false"))
+        if limit is not None and total > limit:
+            return total
+        yield
+    return total
 
 
-def check_json_values(raw: bytes, max_values: int) -> int:
+def check_json_values_steps(raw: bytes, max_values: int) -> Steps[int]:
     """The body's :func:`json_value_count`, or :class:`TooManyValues` (413) past
     ``max_values`` (config ``max_json_values``), before anything decodes it."""
-    values = json_value_count(raw, max_values)
+    values = yield from json_value_count_steps(raw, max_values)
     if values > max_values:
         raise TooManyValues(
             f"request body holds more JSON values than max_json_values ({max_values}): "
@@ -313,17 +379,22 @@ def decoded_size(obj: dict[str, Any]) -> int:
 
 
 def _weigh_within_bounds(obj: dict[str, Any] | list[Any]) -> int | None:
+    return run_steps(_weigh_steps(obj))
+
+
+def _weigh_steps(obj: dict[str, Any] | list[Any]) -> Steps[int | None]:
     """:func:`decoded_size` of ``obj``, or None when it breaks a bound (depth or int64): one
     walk for both, since each visit of a Python object costs the event loop (issue 26). The
     shallow sizes of a container's members are summed in C (``map``); the Python loop only
     picks out the containers to visit and the integers to range-check, and only in a container
     that holds some (``set(map(type, ...))``; a list of integers alone, token ids, is
-    range-checked by ``min`` and ``max``). Iterative: a hostile body cannot exhaust the Python
-    stack."""
+    range-checked by ``min`` and ``max``). A step every :data:`_WEIGH_STEP_ITEMS` members.
+    Iterative: a hostile body cannot exhaust the Python stack."""
     getsize = sys.getsizeof
     size = getsize(obj)
     stack: list[tuple[Any, int]] = [(obj, 1)]
     pop, push = stack.pop, stack.append
+    visited = 0
     while stack:
         value, depth = pop()
         if depth > MAX_JSON_DEPTH:
@@ -333,18 +404,29 @@ def _weigh_within_bounds(obj: dict[str, Any] | list[Any]) -> int | None:
             items: Any = value.values()
         else:
             items = value
-        size += sum(map(getsize, items))
-        kinds = set(map(type, items))
-        if kinds == _INTS:  # token ids: range-checked in C
-            if items and not (INT64_MIN <= min(items) and max(items) <= INT64_MAX):
-                return None
-        elif not kinds.isdisjoint(_VISITED):
-            for item in items:
-                kind = type(item)
-                if kind is dict or kind is list:
-                    push((item, depth + 1))
-                elif kind is int and not INT64_MIN <= item <= INT64_MAX:
+        if len(items) <= _WEIGH_STEP_ITEMS:
+            chunks: Any = (items,)
+        else:  # a long one in chunks, a step each
+            members = items if type(items) is list else list(items)
+            chunks = (members[i:i + _WEIGH_STEP_ITEMS]
+                      for i in range(0, len(members), _WEIGH_STEP_ITEMS))
+        for chunk in chunks:
+            visited += len(chunk)
+            if visited >= _WEIGH_STEP_ITEMS:  # a step's worth of members: let others run
+                visited = 0
+                yield
+            size += sum(map(getsize, chunk))
+            kinds = set(map(type, chunk))
+            if kinds == _INTS:  # token ids: range-checked in C
+                if not (INT64_MIN <= min(chunk) and max(chunk) <= INT64_MAX):
                     return None
+            elif not kinds.isdisjoint(_VISITED):
+                for item in chunk:
+                    kind = type(item)
+                    if kind is dict or kind is list:
+                        push((item, depth + 1))
+                    elif kind is int and not INT64_MIN <= item <= INT64_MAX:
+                        return None
     return size
 
 
@@ -358,15 +440,20 @@ def decode_object(raw: bytes, max_values: int = DEFAULT_MAX_JSON_VALUES) -> dict
 
     Raises :class:`TooManyValues` past ``max_values`` (config ``max_json_values``), before
     decoding, and :class:`BadRequest` naming the problem and its JSON path."""
-    obj = _decode_object(raw, max_values)
-    violation = _bound_violation(obj)
-    if violation is not None:
-        raise BadRequest(f"invalid request body: {violation}")
+    return run_steps(decode_object_steps(raw, max_values))
+
+
+def decode_object_steps(raw: bytes,
+                        max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[dict[str, Any]]:
+    """:func:`decode_object` in steps."""
+    obj = yield from _decode_object_steps(raw, max_values)
+    if (yield from _weigh_steps(obj)) is None:
+        raise BadRequest(f"invalid request body: {_describe_violation(obj, '$', 1)}")
     return obj
 
 
-def _decode_object(raw: bytes, max_values: int) -> dict[str, Any]:
-    check_json_values(raw, max_values)
+def _decode_object_steps(raw: bytes, max_values: int) -> Steps[dict[str, Any]]:
+    yield from check_json_values_steps(raw, max_values)
     try:
         obj = JSON_DECODER.decode(raw)
     except RecursionError as exc:
@@ -377,21 +464,48 @@ def _decode_object(raw: bytes, max_values: int) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise BadRequest(f"request body must be a JSON object, got {_json_type(obj)} at `$`")
+    yield
     return obj
 
 
+def _keys_in_windows(pattern: re.Pattern[bytes], raw: bytes, reach: int, group: int,
+                     window: int = 1 << 20) -> Steps[list[bytes]]:
+    """``pattern``'s matches (its ``group``) in ``raw``, a key and its colon each, found a
+    ``window`` of bytes at a time (a step each): those that start in the window. A key and its
+    colon have only whitespace between them, so the first byte that is not whitespace past the
+    window's end plus ``reach`` (the longest key) ends every match that starts in it."""
+    found: list[bytes] = []
+    for start in range(0, len(raw), window):
+        end = start + window
+        after = _NOT_WHITESPACE.search(raw, end + reach)
+        stop = len(raw) if after is None else after.end()
+        found += (m[group] for m in pattern.finditer(raw, start, stop) if m.start() < end)
+        yield
+    return found
+
+
 def _duplicated_key(raw: bytes) -> str | None:
+    return run_steps(_duplicated_key_steps(raw))
+
+
+def _duplicated_key_steps(raw: bytes) -> Steps[str | None]:
     """An interpreted top-level key that appears more than once in ``raw``, else None.
 
     JSON parsers disagree on duplicated names (first or last wins), so a body that names one of
     these twice could be routed by one value (a proxy) and judged by another: refused. The cheap
-    byte scan finds candidates (an interpreted name followed by a colon more than once, or any
-    ``\\u`` escape, which could spell a name); only then is the top level parsed with every pair
-    kept."""
-    if b"\\u" not in raw:
-        candidates = _KEY_CANDIDATE.findall(raw)
-        if len(candidates) == len(set(candidates)):
-            return None
+    byte scan (a step per MiB) finds candidates (an interpreted name followed by a colon more
+    than once, or any key spelled with ``\\u`` escapes that unescapes to one of them); only
+    then is the top level parsed with every pair kept."""
+    candidates = yield from _keys_in_windows(_KEY_CANDIDATE, raw, _LONGEST_NAME, 1)
+    if b"\\u" in raw:
+        escaped = yield from _keys_in_windows(_ESCAPED_KEY, raw, _LONGEST_ESCAPED, 0, 1 << 18)
+        for spelled in escaped:
+            name = json.loads(spelled).encode()
+            if name in _INTERPRETED_NAMES:
+                candidates.append(name)
+    if len(candidates) == len(set(candidates)):
+        return None
+    yield
     top: list[list[tuple[str, Any]]] = []
 
     def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -414,6 +528,14 @@ def _duplicated_key(raw: bytes) -> str | None:
 def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
                   arrival_slots: bool = False, *,
                   max_values: int = DEFAULT_MAX_JSON_VALUES) -> VerifyMember:
+    """:func:`decode_verify_steps` at once."""
+    return run_steps(decode_verify_steps(raw, num_rollouts, rollout_id, arrival_slots,
+                                         max_values=max_values))
+
+
+def decode_verify_steps(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
+                        arrival_slots: bool = False, *,
+                        max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[VerifyMember]:
     """Validate a ``/verify`` body (``rollout_id``: NeMo Gym's, from the request path).
 
     Raises :class:`TooManyValues` (413) past ``max_values`` (config ``max_json_values``),
@@ -424,11 +546,13 @@ def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
     prompt-keyed cohort. The decoded body is not kept: the member holds ``raw`` (see
     :class:`VerifyMember`).
     """
-    body = _decode_object(raw, max_values)
-    size_bytes = _weigh_within_bounds(body)
+    body = yield from _decode_object_steps(raw, max_values)
+    size_bytes = yield from _weigh_steps(body)
     if size_bytes is None:
         raise BadRequest(f"invalid request body: {_describe_violation(body, '$', 1)}")
-    duplicated = _duplicated_key(raw)
+    yield
+    duplicated = yield from _duplicated_key_steps(raw)
+    yield
     if duplicated is not None:
         raise BadRequest(f"invalid request body: key appears more than once - at `$.{duplicated}`")
     view = body
@@ -487,7 +611,13 @@ def decode_compare(raw: bytes, max_responses: int,
     """Validate a ``/compare`` body; raises :class:`TooManyValues` past ``max_values``,
     :class:`BadRequest` naming the JSON path, also when ``response_objs`` holds more than
     ``max_responses`` (config ``max_compare_responses``)."""
-    obj = decode_object(raw, max_values)
+    return run_steps(decode_compare_steps(raw, max_responses, max_values))
+
+
+def decode_compare_steps(raw: bytes, max_responses: int,
+                         max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[CompareRequest]:
+    """:func:`decode_compare` in steps."""
+    obj = yield from decode_object_steps(raw, max_values)
     try:
         request = msgspec.convert(obj, CompareRequest)
     except msgspec.ValidationError as exc:
@@ -505,7 +635,13 @@ def decode_aggregate(raw: bytes,
     """Validate an ``/aggregate_metrics`` body: each row's interpreted keys are typed
     (:class:`AggregateRow`); raises :class:`TooManyValues` past ``max_values``,
     :class:`BadRequest` naming the JSON path."""
-    obj = decode_object(raw, max_values)
+    return run_steps(decode_aggregate_steps(raw, max_values))
+
+
+def decode_aggregate_steps(
+        raw: bytes, max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[AggregateMetricsRequest]:
+    """:func:`decode_aggregate` in steps."""
+    obj = yield from decode_object_steps(raw, max_values)
     try:
         msgspec.convert(obj, _TypedAggregateRequest)
         return msgspec.convert(obj, AggregateMetricsRequest)
@@ -616,7 +752,13 @@ def decode_get_reward(raw: bytes,
     (config ``max_json_values``), :class:`BadRequest` naming the JSON path: wrong types, more
     than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a label longer
     than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
-    obj = decode_object(raw, max_values)
+    return run_steps(decode_get_reward_steps(raw, max_values))
+
+
+def decode_get_reward_steps(raw: bytes,
+                            max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[GetRewardRequest]:
+    """:func:`decode_get_reward` in steps."""
+    obj = yield from decode_object_steps(raw, max_values)
     try:
         request = msgspec.convert(obj, GetRewardRequest)
     except msgspec.ValidationError as exc:

@@ -5,7 +5,7 @@ the event loop seconds to decode, check and weigh; the bound is counted on the b
 taken out, objects and arrays weighing 8, numbers with an exponent 200) before anything decodes
 them. Every route that decodes JSON refuses a body past it with 413 ``too_large`` naming
 ``max_json_values``, changes no state and keeps the connection usable; a body at the bound is
-accepted, also one big enough to be decoded in the worker thread. No timing here: the loop's
+accepted, also one big enough to be decoded in steps. No timing here: the loop's
 figures are the ``hostile_body`` bench preset's.
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from typing import Any
 
 import msgspec
 import pytest
+import trio
 
 from genrm_trio import wire
 from genrm_trio.config import Config
@@ -231,20 +231,21 @@ async def test_every_route_refuses_past_the_bound_and_keeps_the_connection() -> 
         assert json.loads(after[0][2])["cohorts"] == json.loads(before[0][2])["cohorts"]
 
 
-async def test_a_big_body_is_counted_and_decoded_in_the_worker_thread() -> None:
-    # Past INLINE_DECODE_VALUES the body goes to the worker thread: refused there past the
-    # bound, decoded there at it, with the same answers as on the loop.
-    bound = 3 * app_mod.INLINE_DECODE_VALUES
+async def test_a_big_body_is_decoded_in_steps_with_the_same_answers() -> None:
+    # Past STEPPED_BYTES the body is decoded in steps: refused past the bound, decoded at it,
+    # with the same answers as at once.
+    bound = 50_000
     cfg = Config(num_rollouts_per_prompt=1, port=0, max_json_values=bound,
                  shutdown_grace_s=1.0)
     async with running_server(cfg) as url:
         over, at = at_count(verify_body, bound + 1), at_count(verify_body, bound)
-        assert wire.json_value_count(at) > app_mod.INLINE_DECODE_VALUES
+        assert len(at) > app_mod.STEPPED_BYTES
         (refused, accepted) = await raw_http(url, [("POST", "/verify", over),
                                                    ("POST", "/verify", at)])
         assert refused[0] == 413, refused
         assert f"max_json_values ({bound})" in json.loads(refused[2])["detail"]
         assert accepted[0] == 200 and json.loads(accepted[2])["reward"] is not None
+        assert json.loads(accepted[2])["pad"] == json.loads(at)["pad"]
 
 
 async def test_a_refused_body_changes_no_state() -> None:
@@ -261,14 +262,40 @@ async def test_a_refused_body_changes_no_state() -> None:
         assert json.loads(after[2])["cohorts"] == json.loads(before[2])["cohorts"]
 
 
-async def test_the_body_decoder_takes_big_bodies_off_the_event_loop() -> None:
-    decoder = app_mod.BodyDecoder()
-    small = enc({"x": [0] * 100})
-    many = enc({"x": [0] * app_mod.INLINE_DECODE_VALUES})  # small in bytes, many values
-    long = enc({"x": "a" * (app_mod.INLINE_DECODE_BYTES + 1)})
-    loop = threading.get_ident()
-    assert await decoder(lambda raw: threading.get_ident(), small) == loop
-    assert await decoder(lambda raw: threading.get_ident(), many) != loop
-    assert await decoder(lambda raw: threading.get_ident(), long) != loop
-    with pytest.raises(TooManyValues):  # raised in the thread, answered as on the loop
-        await decoder(lambda raw: wire.decode_object(raw, 1000), many)
+async def test_a_big_body_lets_the_loop_run_between_its_steps() -> None:
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    big = enc(body(0) | {"x": [{}, [0, "a"]] * 20_000})  # past STEPPED_BYTES
+    small = enc(body(0))
+    steps = sum(1 for _ in wire.decode_verify_steps(big, 2))
+    assert steps >= 8  # counts, decode, weighing, duplicate check
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.lowlevel.checkpoint()
+        before = ticks
+        member = await app_mod.run_stepped(wire.decode_verify_steps(big, 2), len(big))
+        assert ticks - before >= steps - 1
+        assert member == wire.decode_verify(big, 2)
+        before = ticks
+        await app_mod.run_stepped(wire.decode_verify_steps(small, 2), len(small))
+        assert ticks == before  # a small body at once
+        with pytest.raises(TooManyValues):  # raised from a step, as at once
+            await app_mod.run_stepped(wire.decode_verify_steps(big, 2, max_values=1000),
+                                      len(big))
+        nursery.cancel_scope.cancel()
+
+
+def test_a_duplicated_key_is_found_across_the_scan_windows() -> None:
+    mib = 1 << 20
+    for gap in (mib - 40, mib - 3, mib + 5):  # the second name near, on and past a window edge
+        for spelled, space in ((b'"response"', b" "), (b'"\\u0072esponse"', b" " * (2 * mib))):
+            raw = (b'{"response": {}, "x": "' + b"a" * gap + b'", ' + spelled + space
+                   + b': {}}')
+            assert wire._duplicated_key(raw) == "response", (gap, spelled)
+    assert wire._duplicated_key(b'{"response": {}, "x": "' + b"a" * mib + b'"}') is None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Generator
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -64,39 +64,31 @@ NOTE_INTERVAL_S = 10.0
 """At most one log line per this many seconds for disconnects, 429s and 401s each."""
 TRACE_SCOPE_KEY = "genrm_trio.trace"
 """Where a traced request's span sits in its ASGI scope, for the quart routes (``/compare``)."""
-INLINE_DECODE_BYTES = 64 * 1024
-"""A body up to this size that counts at most :data:`INLINE_DECODE_VALUES` JSON values is
-decoded on the event loop (a millisecond or two at most); any other in a worker thread
-(:class:`BodyDecoder`)."""
-INLINE_DECODE_VALUES = 20_000
-BODY_DECODER_KEY = "genrm.body_decoder"
-"""Where :func:`create_app` leaves its :class:`BodyDecoder` (``app.extensions``), so that the
-``/verify`` fast path shares it."""
+STEPPED_BYTES = 16 * 1024
+"""A body (or an answer that holds one) of more than this many bytes is decoded, checked,
+weighed and encoded in steps, the event loop running other tasks between them
+(:func:`run_stepped`); a smaller one at once, in a few milliseconds at most."""
 
 _T = TypeVar("_T")
 
 
-class BodyDecoder:
-    """Where request bodies are decoded, validated and weighed (issue 26): a small one on the
-    event loop, any other in a worker thread, one at a time (a :class:`trio.CapacityLimiter` of
-    one; bodies that wait hold only the bytes already read).
-
-    The thread does not make decoding free: msgspec and every ``bytes`` method hold the GIL for
-    the whole of one call, so the loop waits for the longest single C call, which
-    ``max_json_values`` bounds (about 45 ms at its default; wire.py). What the thread takes off
-    the loop is everything between those calls, the value count's passes and the walk that
-    checks the bounds and weighs the body (Python code, which hands the GIL back to the loop
-    within ``sys.getswitchinterval()``, 5 ms). The decode functions raise
-    :class:`TooManyValues` before decoding a body past the bound, in the thread too."""
-
-    def __init__(self) -> None:
-        self._limiter = trio.CapacityLimiter(1)
-
-    async def __call__(self, decode: Callable[[bytes], _T], raw: bytes) -> _T:
-        if len(raw) <= INLINE_DECODE_BYTES and (
-                wire.json_value_count(raw, INLINE_DECODE_VALUES) <= INLINE_DECODE_VALUES):
-            return decode(raw)
-        return await trio.to_thread.run_sync(decode, raw, limiter=self._limiter)
+async def run_stepped(steps: Generator[None, None, _T], size: int) -> _T:
+    """The result of ``steps`` (a ``wire.*_steps`` generator, for a body of ``size`` bytes).
+    Past :data:`STEPPED_BYTES`, a checkpoint after each step, so the loop is held at most for
+    the longest one: one C call (a count over the bytes, msgspec's decode or encode, part of
+    the weighing walk), which ``max_json_values`` bounds to about 35 ms (issue 26). Not a
+    worker thread: msgspec and every ``bytes`` method hold the GIL for a whole call, and a
+    thread busy with them makes each of the loop's system calls wait for the GIL again (probe
+    steps of 250 ms were measured that way, against the 35 ms of the longest call). A
+    cancellation (the client left, shutdown) stops the work at the next checkpoint."""
+    if size <= STEPPED_BYTES:
+        return wire.run_steps(steps)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(_T, done.value)
+        await trio.lowlevel.checkpoint()
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -178,20 +170,19 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         headers = {"Connection": "close"} if status == 413 else None
         return error_response(status, exc.description or exc.name, kind, headers)
 
-    decoder = BodyDecoder()
-    app.extensions[BODY_DECODER_KEY] = decoder
-
     @app.post("/compare")
     async def compare() -> Response:
-        body = await decoder(partial(wire.decode_compare, max_responses=cfg.max_compare_responses,
-                                     max_values=cfg.max_json_values), await _read_body())
+        raw = await _read_body()
+        body = await run_stepped(wire.decode_compare_steps(
+            raw, cfg.max_compare_responses, cfg.max_json_values), len(raw))
         span = cast(RequestSpan, request.scope.get(TRACE_SCOPE_KEY, NO_REQUEST_SPAN))
         return await _compare(cfg, judge, body, span)
 
     @app.post("/get_reward")
     async def get_reward() -> Response:
-        body = await decoder(partial(wire.decode_get_reward, max_values=cfg.max_json_values),
-                             await _read_body())
+        raw = await _read_body()
+        body = await run_stepped(wire.decode_get_reward_steps(raw, cfg.max_json_values),
+                                 len(raw))
         return await _get_reward(cfg, registry, body)
 
     @app.get("/")
@@ -217,16 +208,17 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     @app.post("/seed_session")
     @app.post("/close_session")
     async def session_hook() -> Response:
-        body = await decoder(partial(wire.decode_object, max_values=cfg.max_json_values),
-                             await _read_body() or b"{}")
+        raw = await _read_body() or b"{}"
+        body = await run_stepped(wire.decode_object_steps(raw, cfg.max_json_values), len(raw))
         if "resources_session_id" in body:
             return json_response({"resources_session_id": body["resources_session_id"]})
         return json_response({})
 
     @app.post("/aggregate_metrics")
     async def aggregate_metrics() -> Response:
-        body = await decoder(partial(wire.decode_aggregate, max_values=cfg.max_json_values),
-                             await _read_body())
+        raw = await _read_body()
+        body = await run_stepped(wire.decode_aggregate_steps(raw, cfg.max_json_values),
+                                 len(raw))
         metrics = metrics_mod.aggregate_metrics(body.verify_responses)
         # The same canonical bytes `collect` and `aggregate` write to disk.
         return Response(metrics_mod.encode_metrics(metrics), status=200, content_type=JSON)
@@ -298,18 +290,34 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> Answer:
     """The HTTP answer for one member's outcome: status, encoded JSON body, extra headers.
     Encoded here, so the decoded body built for it is gone before the caller awaits the send
     (thousands of waiters may be released at once, to clients that read slowly)."""
+    return wire.run_steps(verify_answer_steps(member, outcome))
+
+
+def verify_answer_steps(member: wire.VerifyMember, outcome: Outcome) -> wire.Steps[Answer]:
+    """:func:`verify_answer` in two steps: the body decoded again (with its answer's keys),
+    then encoded."""
     encode = wire.JSON_ENCODER.encode
     if isinstance(outcome, Rewarded):
-        return 200, encode(wire.success_body(
+        body = wire.success_body(
             member, outcome.reward, outcome.defaulted_comparisons,
             cohort_expected=outcome.cohort_expected, cohort_scored=outcome.cohort_scored,
-            reused_comparisons=outcome.reused_comparisons, assigned_slot=outcome.slot)), []
+            reused_comparisons=outcome.reused_comparisons, assigned_slot=outcome.slot)
+        yield
+        return 200, encode(body), []
     if outcome.masked:
-        return 200, encode(wire.masked_body(member, outcome.detail)), []
+        body = wire.masked_body(member, outcome.detail)
+        yield
+        return 200, encode(body), []
     headers = []
     if outcome.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, round(outcome.retry_after_s))).encode()))
     return outcome.status, encode(wire.error_body(outcome.detail, outcome.kind)), headers
+
+
+def _encoded_success(member: wire.VerifyMember, reward: float) -> wire.Steps[bytes]:
+    body = wire.success_body(member, reward)
+    yield
+    return wire.JSON_ENCODER.encode(body)
 
 
 class VerifyEndpoint:
@@ -318,23 +326,19 @@ class VerifyEndpoint:
     Why not a Quart route: this is the one hot path (every rollout passes here, and a waiter can
     sit here for the whole collection deadline); Quart's request context, werkzeug headers and
     two helper tasks per request cost about a fifth of the server's CPU. Here: the body is read
-    whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded, handed to
-    the registry, and the answer sent. While it waits, the handler's own task reads the connection
+    whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded (a big one
+    in steps, :func:`run_stepped`, as its answer is built), handed to the registry, and the
+    answer sent. While it waits, the handler's own task reads the connection
     (:meth:`CohortRegistry.verify_unless_gone`): the client's ``http.disconnect`` removes only its
     own waiter, and the cohort's resolution interrupts the read. No task is started per request,
     and the answer's two ASGI messages are sent under one shielded, bounded scope.
     """
 
     def __init__(self, cfg: Config, registry: CohortRegistry,
-                 metrics: ServerMetrics | None = None,
-                 decoder: BodyDecoder | None = None) -> None:
+                 metrics: ServerMetrics | None = None) -> None:
         self._cfg = cfg
         self._registry = registry
         self._metrics = metrics
-        self._decoder = decoder if decoder is not None else BodyDecoder()
-        self._decode = partial(wire.decode_verify, num_rollouts=cfg.num_rollouts_per_prompt,
-                               arrival_slots=cfg.legacy_slots == "arrival",
-                               max_values=cfg.max_json_values)
         self._disconnects = RateLimitedNote(
             logger, "client went away before its /verify answer (its waiter removed)",
             NOTE_INTERVAL_S)
@@ -355,13 +359,16 @@ class VerifyEndpoint:
             label = member
         elif self._cfg.num_rollouts_per_prompt <= 1:
             span.member(member)
-            await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
+            payload = await run_stepped(_encoded_success(member, self._cfg.default_score),
+                                        len(member.raw))
+            await _send_payload(send, 200, payload)
             label = "rewarded"
         else:
             span.member(member)
             outcome = await self._registry.verify_unless_gone(
                 member, partial(_until_disconnect, receive), span)
-            answer = verify_answer(member, outcome) if outcome is not None else None
+            answer = (await run_stepped(verify_answer_steps(member, outcome), len(member.raw))
+                      if outcome is not None else None)
             # The body is not held while its answer waits for a client that reads slowly:
             # the answer alone counts towards max_active_bytes then (_ShieldedSend).
             del member
@@ -385,7 +392,11 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            return await self._decoder(partial(self._decode, rollout_id=rollout_id), raw)
+            cfg = self._cfg
+            return await run_stepped(wire.decode_verify_steps(
+                raw, cfg.num_rollouts_per_prompt, rollout_id,
+                arrival_slots=cfg.legacy_slots == "arrival", max_values=cfg.max_json_values),
+                len(raw))
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"
@@ -587,7 +598,7 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
     is bounded by ``shutdown_grace_s`` and, once shutdown has begun, by its one deadline.
     With tracing on, each request but the probes and ``/metrics`` has a SERVER span
     (``tracer.request``), ended with the answer's status when the request is done."""
-    verify = VerifyEndpoint(cfg, registry, metrics, app.extensions.get(BODY_DECODER_KEY))
+    verify = VerifyEndpoint(cfg, registry, metrics)
     grace_s = cfg.shutdown_grace_s
     refused = RateLimitedNote(logger, "request refused: 401 unauthorized", NOTE_INTERVAL_S)
 
