@@ -71,12 +71,14 @@ INT64_MAX = 2**63 - 1
 
 #: Default of config ``max_json_values``: the most JSON values a body may hold, counted on its
 #: bytes before it is decoded (:func:`json_value_count`, which weighs each kind by what it costs
-#: to decode). msgspec decodes about 12 million counted values a second here (a plain value
-#: 20 to 80 ns, an object or array 100 to 400 ns, a number whose exponent sends msgspec down its
-#: exact path, ``1e300``, 9 to 11 us), so a body at the bound costs one decode of at most about
-#: 45 ms of the event loop, and each of the cohort's later decodes of it the same (issue 26).
-#: Real bodies count far less: a 200-turn NeMo Gym tool-calling trajectory about 60,000, a
-#: 10-turn one that carries NeMo RL's token ids and log-probs about 250,000 (README "Bounds").
+#: to decode). msgspec decodes a body in one call that holds the event loop, about 80 ns per
+#: counted value at the worst (a plain value 20 to 80 ns, an object or array 100 to 400 ns, a
+#: number whose exponent sends msgspec down its exact path, ``1e300``, 9 to 11 us), so a body at
+#: the bound costs one decode of about 40 ms, and each of its later decodes the same; the rest
+#: of the work on a body is done in steps (issue 26). Real bodies count far less: a 200-turn
+#: NeMo Gym tool-calling trajectory about 23,000; token ids count one each (a 20-turn
+#: trajectory carrying NeMo RL's ids and log-probs, 1.1 MB, about 221,000; the default takes
+#: about 30 such turns). README "Bounds".
 DEFAULT_MAX_JSON_VALUES = 500_000
 #: What an object or an array counts, in values: decoding one costs 2 to 8 plain values.
 CONTAINER_WEIGHT = 8

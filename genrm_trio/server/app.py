@@ -76,10 +76,10 @@ async def run_stepped(steps: Generator[None, None, _T], size: int) -> _T:
     """The result of ``steps`` (a ``wire.*_steps`` generator, for a body of ``size`` bytes).
     Past :data:`STEPPED_BYTES`, a checkpoint after each step, so the loop is held at most for
     the longest one: one C call (a count over the bytes, msgspec's decode or encode, part of
-    the weighing walk), which ``max_json_values`` bounds to about 35 ms (issue 26). Not a
+    the weighing walk), which ``max_json_values`` bounds to about 40 ms (issue 26). Not a
     worker thread: msgspec and every ``bytes`` method hold the GIL for a whole call, and a
     thread busy with them makes each of the loop's system calls wait for the GIL again (probe
-    steps of 250 ms were measured that way, against the 35 ms of the longest call). A
+    steps of 250 ms were measured that way, against the 40 ms of the longest call). A
     cancellation (the client left, shutdown) stops the work at the next checkpoint."""
     if size <= STEPPED_BYTES:
         return wire.run_steps(steps)
