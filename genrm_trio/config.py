@@ -55,6 +55,7 @@ import yaml
 
 from genrm_trio import judge_prompt
 from genrm_trio.errors import ConfigError
+from genrm_trio.wire import DEFAULT_MAX_JSON_VALUES
 
 DEFAULT_PRINCIPLE = (
     "Act as an impartial judge. Compare the two responses to the conversation above and decide "
@@ -85,6 +86,9 @@ NEMO_IGNORED_KEYS: frozenset[str] = frozenset(
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Hard ceiling of ``verdict_cache_max_entries`` (2**24; an entry holds about 300 bytes).
 MAX_VERDICT_CACHE_ENTRIES = 16_777_216
+#: Floor of ``max_json_values``: a real /verify body (prompt, tools, one answer) holds a few
+#: hundred values; fewer would refuse ordinary requests.
+MIN_JSON_VALUES = 1000
 #: Hard ceiling of ``max_compare_responses``: all_pairs over 4096 responses is 8.4 M judge calls.
 MAX_COMPARE_RESPONSES = 4096
 
@@ -221,6 +225,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         "complete_group"
     )
     max_request_bytes: int = 16 * 1024 * 1024
+    max_json_values: int = DEFAULT_MAX_JSON_VALUES
     shutdown_grace_s: float = 5.0
     state_dir: str | None = None
     max_active_cohorts: int | None = None
@@ -566,6 +571,7 @@ def _validate_config(cfg: Config) -> None:
             f"got {_show(cfg.judge_order)}",
         )
     _number("max_request_bytes", cfg.max_request_bytes, ge=1, integer=True)
+    _number("max_json_values", cfg.max_json_values, ge=MIN_JSON_VALUES, integer=True)
     _number("shutdown_grace_s", cfg.shutdown_grace_s, gt=0)
     _non_empty("state_dir", cfg.state_dir, nullable=True)
     _number("max_active_cohorts", cfg.max_active_cohorts, ge=1, nullable=True, integer=True)

@@ -7,6 +7,8 @@
     +-- WireError                   wire.py: a request body that cannot be accepted
     |   +-- BadRequest              400 bad_request: not JSON, not an object, wrong type ($.path)
     |   +-- TooLarge                413 too_large: body over max_request_bytes
+    |   +-- TooManyValues           413 too_large: more JSON values than max_json_values (read
+    |                               whole, so the connection stays usable)
     |   +-- UnsupportedMediaType    415 bad_request: a Content-Type that is not JSON
     |   +-- BadCoordinates          422 bad_coordinates: rollout index / attempt out of range
     +-- JudgeError                  server/judge/: one comparison could not be judged
@@ -55,6 +57,13 @@ class BadRequest(WireError):
 
 
 class TooLarge(WireError):
+    status = 413
+    failure_kind = "too_large"
+
+
+class TooManyValues(WireError):
+    """Not a :class:`TooLarge`: the body was read whole, so the connection is not closed."""
+
     status = 413
     failure_kind = "too_large"
 

@@ -6,6 +6,11 @@ Pure core: no I/O, no trio. Inbound ``/verify`` bodies are echoed back as they w
 (:class:`VerifyMember`) keeps its body as the bytes received, not decoded: it may wait for its
 cohort for the whole collection deadline, and the bytes are a single object of about half the
 size of the dicts and strings they decode into (issue 21).
+
+Decoding a large body is a generator of steps (``*_steps``: each step one C call of bounded
+cost, such as a count over the bytes, msgspec's decode, part of the walk that weighs the
+result), so that the server can let the event loop run between them (server/app.py, issue 26);
+the plain functions run the same steps at once (:func:`run_steps`). Still no I/O, no trio.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import json
 import math
 import re
 import sys
+from collections.abc import Generator
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
-from genrm_trio.errors import BadCoordinates, BadRequest
+from genrm_trio.errors import BadCoordinates, BadRequest, TooManyValues
 
 JSON_ENCODER = msgspec.json.Encoder()
 JSON_DECODER = msgspec.json.Decoder()
@@ -63,6 +69,23 @@ MAX_IDENTITY_CHARS = 512
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
+#: Default of config ``max_json_values``: the most JSON values a body may hold, counted on its
+#: bytes before it is decoded (:func:`json_value_count`, which weighs each kind by what it costs
+#: to decode). msgspec decodes a body in one call that holds the event loop, about 80 ns per
+#: counted value at the worst (a plain value 20 to 80 ns, an object or array 100 to 400 ns, a
+#: number whose exponent sends msgspec down its exact path, ``1e300``, 9 to 11 us), so a body at
+#: the bound costs one decode of about 40 ms, and each of its later decodes the same; the rest
+#: of the work on a body is done in steps (issue 26). Real bodies count far less: a 200-turn
+#: NeMo Gym tool-calling trajectory about 23,000; token ids count one each (a 20-turn
+#: trajectory carrying NeMo RL's ids and log-probs, 1.1 MB, about 221,000; the default takes
+#: about 30 such turns). README "Bounds".
+DEFAULT_MAX_JSON_VALUES = 500_000
+#: What an object or an array counts, in values: decoding one costs 2 to 8 plain values.
+CONTAINER_WEIGHT = 8
+#: What a number with an exponent counts, in values: msgspec takes up to 11 us for some
+#: (``1e300``, ``9e300``), 200 plain values' worth.
+EXPONENT_WEIGHT = 200
+
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 Attempt = Annotated[int, msgspec.Meta(le=INT64_MAX)]
 IdentityText = Annotated[str, msgspec.Meta(max_length=MAX_IDENTITY_CHARS)]
@@ -105,6 +128,16 @@ _INTERPRETED_KEYS: tuple[str, ...] = (
 _KEY_CANDIDATE = re.compile(
     rb'"(' + b"|".join(re.escape(k.encode()) for k in _INTERPRETED_KEYS) + rb')"[ \t\r\n]*:'
 )
+
+
+_INTERPRETED_NAMES = frozenset(k.encode() for k in _INTERPRETED_KEYS)
+_LONGEST_NAME = 2 + max(map(len, _INTERPRETED_KEYS))
+_LONGEST_ESCAPED = 2 + 6 * 32
+_NOT_WHITESPACE = re.compile(rb"[^ \t\r\n]")
+# A key that could spell an interpreted one with escapes: letters, underscores and \uXXXX
+# escapes only (the names are [a-z_], at most 23 of them), at least one escape, then a colon.
+_ESCAPED_KEY = re.compile(
+    rb'"(?=[A-Za-z_\\]{0,200}\\u)(?:[A-Za-z_]|\\u[0-9A-Fa-f]{4}){1,32}"(?=[ \t\r\n]*:)')
 
 
 class VerifyFields(msgspec.Struct, kw_only=True):
@@ -217,24 +250,10 @@ def _validation_detail(exc: msgspec.ValidationError) -> str:
     return f"invalid request body: {exc}"
 
 
-def _bound_violation(obj: Any) -> str | None:
+def _bound_violation(obj: dict[str, Any]) -> str | None:
     """The first place where ``obj`` breaks a bound (depth or int64), as a message naming its
-    JSON path, or None. Iterative: a hostile body cannot exhaust the Python stack."""
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    pop, push = stack.pop, stack.append
-    while stack:
-        value, depth = pop()
-        if depth > MAX_JSON_DEPTH:
-            break
-        for item in value.values() if isinstance(value, dict) else value:
-            if isinstance(item, (dict, list)):
-                push((item, depth + 1))
-            elif type(item) is int and not INT64_MIN <= item <= INT64_MAX:
-                break
-        else:
-            continue
-        break
-    else:
+    JSON path, or None."""
+    if _weigh_within_bounds(obj) is not None:
         return None
     return _describe_violation(obj, "$", 1)
 
@@ -260,6 +279,93 @@ def _describe_violation(value: Any, path: str, depth: int) -> str | None:
     return None
 
 
+_T = TypeVar("_T")
+#: A computation in steps: each ``yield`` is a point where the caller may let other work run;
+#: the generator's return value is the result.
+Steps = Generator[None, None, _T]
+#: The structural bytes :func:`json_value_count` adds up first, each with its weight (monotone:
+#: the count may stop as soon as it passes the limit).
+_COUNTED = ((b",", 1), (b":", 1), (b"{", CONTAINER_WEIGHT), (b"[", CONTAINER_WEIGHT))
+#: :func:`_weigh_steps` yields after visiting about this many members.
+_WEIGH_STEP_ITEMS = 16384
+#: :func:`json_value_count_steps` splits strings out of this many bytes at a time.
+_COUNT_WINDOW = 1 << 20
+
+
+def run_steps(steps: Generator[None, None, _T]) -> _T:
+    """Run ``steps`` to the end at once and return its result (callers with no loop to let
+    run: the plain ``decode_*`` functions, tools, tests)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(_T, done.value)
+
+
+def json_value_count(raw: bytes, limit: int | None = None) -> int:
+    """The JSON values in ``raw``, weighed by what they cost to decode (see
+    :func:`json_value_count_steps`)."""
+    return run_steps(json_value_count_steps(raw, limit))
+
+
+def json_value_count_steps(raw: bytes, limit: int | None = None) -> Steps[int]:
+    """The JSON values in ``raw``, weighed by what they cost to decode, counted on the bytes
+    with C-speed passes (``bytes.replace``, ``count``, and per :data:`_COUNT_WINDOW` of the
+    body ``split``, ``join`` and ``count``: 10 to 60 ms for 16 MiB in all, a step per pass or
+    window, none over about 10 ms). Strings are taken out first (after the escaped backslashes
+    and quotes), so the characters inside them count nothing; outside them, every value but the
+    outermost follows a ``[``, ``,`` or ``:`` and every key a ``{`` or ``,``, so the count is 1
+    plus those, each object or array counting :data:`CONTAINER_WEIGHT` and each number with an
+    exponent (an ``e`` or ``E`` outside strings, ``true`` and ``false`` aside)
+    :data:`EXPONENT_WEIGHT` (a ``true`` or ``false`` cut by a window's edge counts as one).
+    With ``limit`` the count stops once it is past ``limit`` (a body whose strings alone are
+    more stops before any is split out): 15 MB of ``{}`` is refused after one window. For a
+    body that is not JSON the count is an estimate, which decoding then refuses anyway. Pure."""
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"")
+        yield
+        raw = raw.replace(b'\\"', b"")
+        yield
+    strings = raw.count(b'"') // 2
+    if limit is not None and strings > limit:
+        return strings
+    yield
+    total = 1
+    in_string = False  # whether the window starts inside a string
+    for start in range(0, len(raw), _COUNT_WINDOW):
+        window = raw[start:start + _COUNT_WINDOW]
+        if b'"' in window:
+            parts = window.split(b'"')
+            outside = b"".join(parts[1 if in_string else 0::2])
+            in_string ^= len(parts) % 2 == 0  # an odd number of quotes in the window
+            del parts
+        elif in_string:
+            continue
+        else:
+            outside = window
+        count = outside.count
+        total += sum(weight * count(byte) for byte, weight in _COUNTED)
+        total += EXPONENT_WEIGHT * (count(b"e") + count(b"E") - count(b"true")
+                                    - count(b"false"))
+        if limit is not None and total > limit:
+            return total
+        yield
+    return total
+
+
+def check_json_values_steps(raw: bytes, max_values: int) -> Steps[int]:
+    """The body's :func:`json_value_count`, or :class:`TooManyValues` (413) past
+    ``max_values`` (config ``max_json_values``), before anything decodes it."""
+    values = yield from json_value_count_steps(raw, max_values)
+    if values > max_values:
+        raise TooManyValues(
+            f"request body holds more JSON values than max_json_values ({max_values}): "
+            f"counted at least {values} (objects and arrays count {CONTAINER_WEIGHT}, numbers "
+            f"with an exponent {EXPONENT_WEIGHT})"
+        )
+    return values
+
+
 def decoded_size(obj: dict[str, Any]) -> int:
     """The bytes a decoded JSON body holds: ``sys.getsizeof`` of every object, string and
     number in it (cached small ints and singletons counted too, a slight overcount).
@@ -267,35 +373,89 @@ def decoded_size(obj: dict[str, Any]) -> int:
     Not the body's length: one character outside Latin-1 doubles a string's size in memory
     (U+2014, an em dash, makes every character of a long answer take 2 bytes), one outside the
     BMP (an emoji) quadruples it, and a list of small objects (``[{}, {}, ...]``) takes 20 and
-    more times its text. Iterative, like :func:`_bound_violation`; a few microseconds for a
-    realistic body, whose size is in a few long strings."""
-    getsize = sys.getsizeof
-    size = 0
-    stack: list[Any] = [obj]
-    pop, push = stack.pop, stack.append
-    while stack:
-        value = pop()
-        size += getsize(value)
-        if isinstance(value, dict):
-            for key, item in value.items():
-                size += getsize(key)
-                if isinstance(item, (dict, list)):
-                    push(item)
-                else:
-                    size += getsize(item)
-        else:
-            for item in value:
-                if isinstance(item, (dict, list)):
-                    push(item)
-                else:
-                    size += getsize(item)
+    more times its text. Equal to :func:`_weigh_within_bounds` of a body within the bounds."""
+    size = _weigh_within_bounds(obj)
+    if size is None:
+        raise ValueError("decoded_size: the object breaks a bound (depth or int64)")
     return size
 
 
-def decode_object(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON body that must be an object within the bounds (depth, int64).
+def _weigh_within_bounds(obj: dict[str, Any] | list[Any]) -> int | None:
+    return run_steps(_weigh_steps(obj))
 
-    Raises :class:`BadRequest` naming the problem and its JSON path."""
+
+def _weigh_steps(obj: dict[str, Any] | list[Any]) -> Steps[int | None]:
+    """:func:`decoded_size` of ``obj``, or None when it breaks a bound (depth or int64): one
+    walk for both, since each visit of a Python object costs the event loop (issue 26). The
+    shallow sizes of a container's members are summed in C (``map``); the Python loop only
+    picks out the containers to visit and the integers to range-check, and only in a container
+    that holds some (``set(map(type, ...))``; a list of integers alone, token ids, is
+    range-checked by ``min`` and ``max``). A step every :data:`_WEIGH_STEP_ITEMS` members.
+    Iterative: a hostile body cannot exhaust the Python stack."""
+    getsize = sys.getsizeof
+    size = getsize(obj)
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    pop, push = stack.pop, stack.append
+    visited = 0
+    while stack:
+        value, depth = pop()
+        if depth > MAX_JSON_DEPTH:
+            return None
+        if type(value) is dict:
+            size += sum(map(getsize, value))
+            items: Any = value.values()
+        else:
+            items = value
+        if len(items) <= _WEIGH_STEP_ITEMS:
+            chunks: Any = (items,)
+        else:  # a long one in chunks, a step each
+            members = items if type(items) is list else list(items)
+            chunks = (members[i:i + _WEIGH_STEP_ITEMS]
+                      for i in range(0, len(members), _WEIGH_STEP_ITEMS))
+        for chunk in chunks:
+            visited += len(chunk)
+            if visited >= _WEIGH_STEP_ITEMS:  # a step's worth of members: let others run
+                visited = 0
+                yield
+            size += sum(map(getsize, chunk))
+            kinds = set(map(type, chunk))
+            if kinds == _INTS:  # token ids: range-checked in C
+                if not (INT64_MIN <= min(chunk) and max(chunk) <= INT64_MAX):
+                    return None
+            elif not kinds.isdisjoint(_VISITED):
+                for item in chunk:
+                    kind = type(item)
+                    if kind is dict or kind is list:
+                        push((item, depth + 1))
+                    elif kind is int and not INT64_MIN <= item <= INT64_MAX:
+                        return None
+    return size
+
+
+_INTS = frozenset({int})
+# The kinds of member :func:`_weigh_within_bounds` visits one by one.
+_VISITED = frozenset({dict, list, int})
+
+
+def decode_object(raw: bytes, max_values: int = DEFAULT_MAX_JSON_VALUES) -> dict[str, Any]:
+    """Decode a JSON body that must be an object within the bounds (values, depth, int64).
+
+    Raises :class:`TooManyValues` past ``max_values`` (config ``max_json_values``), before
+    decoding, and :class:`BadRequest` naming the problem and its JSON path."""
+    return run_steps(decode_object_steps(raw, max_values))
+
+
+def decode_object_steps(raw: bytes,
+                        max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[dict[str, Any]]:
+    """:func:`decode_object` in steps."""
+    obj = yield from _decode_object_steps(raw, max_values)
+    if (yield from _weigh_steps(obj)) is None:
+        raise BadRequest(f"invalid request body: {_describe_violation(obj, '$', 1)}")
+    return obj
+
+
+def _decode_object_steps(raw: bytes, max_values: int) -> Steps[dict[str, Any]]:
+    yield from check_json_values_steps(raw, max_values)
     try:
         obj = JSON_DECODER.decode(raw)
     except RecursionError as exc:
@@ -306,24 +466,48 @@ def decode_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise BadRequest(f"request body must be a JSON object, got {_json_type(obj)} at `$`")
-    violation = _bound_violation(obj)
-    if violation is not None:
-        raise BadRequest(f"invalid request body: {violation}")
+    yield
     return obj
 
 
+def _keys_in_windows(pattern: re.Pattern[bytes], raw: bytes, reach: int, group: int,
+                     window: int = 1 << 20) -> Steps[list[bytes]]:
+    """``pattern``'s matches (its ``group``) in ``raw``, a key and its colon each, found a
+    ``window`` of bytes at a time (a step each): those that start in the window. A key and its
+    colon have only whitespace between them, so the first byte that is not whitespace past the
+    window's end plus ``reach`` (the longest key) ends every match that starts in it."""
+    found: list[bytes] = []
+    for start in range(0, len(raw), window):
+        end = start + window
+        after = _NOT_WHITESPACE.search(raw, end + reach)
+        stop = len(raw) if after is None else after.end()
+        found += (m[group] for m in pattern.finditer(raw, start, stop) if m.start() < end)
+        yield
+    return found
+
+
 def _duplicated_key(raw: bytes) -> str | None:
+    return run_steps(_duplicated_key_steps(raw))
+
+
+def _duplicated_key_steps(raw: bytes) -> Steps[str | None]:
     """An interpreted top-level key that appears more than once in ``raw``, else None.
 
     JSON parsers disagree on duplicated names (first or last wins), so a body that names one of
     these twice could be routed by one value (a proxy) and judged by another: refused. The cheap
-    byte scan finds candidates (an interpreted name followed by a colon more than once, or any
-    ``\\u`` escape, which could spell a name); only then is the top level parsed with every pair
-    kept."""
-    if b"\\u" not in raw:
-        candidates = _KEY_CANDIDATE.findall(raw)
-        if len(candidates) == len(set(candidates)):
-            return None
+    byte scan (a step per MiB) finds candidates (an interpreted name followed by a colon more
+    than once, or any key spelled with ``\\u`` escapes that unescapes to one of them); only
+    then is the top level parsed with every pair kept."""
+    candidates = yield from _keys_in_windows(_KEY_CANDIDATE, raw, _LONGEST_NAME, 1)
+    if b"\\u" in raw:
+        escaped = yield from _keys_in_windows(_ESCAPED_KEY, raw, _LONGEST_ESCAPED, 0, 1 << 18)
+        for spelled in escaped:
+            name = json.loads(spelled).encode()
+            if name in _INTERPRETED_NAMES:
+                candidates.append(name)
+    if len(candidates) == len(set(candidates)):
+        return None
+    yield
     top: list[list[tuple[str, Any]]] = []
 
     def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -344,18 +528,33 @@ def _duplicated_key(raw: bytes) -> str | None:
 
 
 def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
-                  arrival_slots: bool = False) -> VerifyMember:
+                  arrival_slots: bool = False, *,
+                  max_values: int = DEFAULT_MAX_JSON_VALUES) -> VerifyMember:
+    """:func:`decode_verify_steps` at once."""
+    return run_steps(decode_verify_steps(raw, num_rollouts, rollout_id, arrival_slots,
+                                         max_values=max_values))
+
+
+def decode_verify_steps(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
+                        arrival_slots: bool = False, *,
+                        max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[VerifyMember]:
     """Validate a ``/verify`` body (``rollout_id``: NeMo Gym's, from the request path).
 
-    Raises :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
+    Raises :class:`TooManyValues` (413) past ``max_values`` (config ``max_json_values``),
+    :class:`BadRequest` (400) for malformed JSON or wrong types, naming the JSON path, and
     :class:`BadCoordinates` (422) for a missing or out-of-range rollout index or a negative
     attempt. With ``arrival_slots`` (config ``legacy_slots: arrival``) a legacy member (no group
     id) may leave the rollout index out: the registry gives it the next free slot of its
     prompt-keyed cohort. The decoded body is not kept: the member holds ``raw`` (see
     :class:`VerifyMember`).
     """
-    body = decode_object(raw)
-    duplicated = _duplicated_key(raw)
+    body = yield from _decode_object_steps(raw, max_values)
+    size_bytes = yield from _weigh_steps(body)
+    if size_bytes is None:
+        raise BadRequest(f"invalid request body: {_describe_violation(body, '$', 1)}")
+    yield
+    duplicated = yield from _duplicated_key_steps(raw)
+    yield
     if duplicated is not None:
         raise BadRequest(f"invalid request body: key appears more than once - at `$.{duplicated}`")
     view = body
@@ -404,15 +603,23 @@ def decode_verify(raw: bytes, num_rollouts: int, rollout_id: str | None = None,
         attempt=attempt or 0,
         attempt_given=attempt is not None,
         rollout_index=fields.rollout_index,
-        size_bytes=decoded_size(body),
+        size_bytes=size_bytes,
         rollout_id=rollout_id,
     )
 
 
-def decode_compare(raw: bytes, max_responses: int) -> CompareRequest:
-    """Validate a ``/compare`` body; raises :class:`BadRequest` naming the JSON path, also when
-    ``response_objs`` holds more than ``max_responses`` (config ``max_compare_responses``)."""
-    obj = decode_object(raw)
+def decode_compare(raw: bytes, max_responses: int,
+                   max_values: int = DEFAULT_MAX_JSON_VALUES) -> CompareRequest:
+    """Validate a ``/compare`` body; raises :class:`TooManyValues` past ``max_values``,
+    :class:`BadRequest` naming the JSON path, also when ``response_objs`` holds more than
+    ``max_responses`` (config ``max_compare_responses``)."""
+    return run_steps(decode_compare_steps(raw, max_responses, max_values))
+
+
+def decode_compare_steps(raw: bytes, max_responses: int,
+                         max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[CompareRequest]:
+    """:func:`decode_compare` in steps."""
+    obj = yield from decode_object_steps(raw, max_values)
     try:
         request = msgspec.convert(obj, CompareRequest)
     except msgspec.ValidationError as exc:
@@ -425,10 +632,18 @@ def decode_compare(raw: bytes, max_responses: int) -> CompareRequest:
     return request
 
 
-def decode_aggregate(raw: bytes) -> AggregateMetricsRequest:
+def decode_aggregate(raw: bytes,
+                     max_values: int = DEFAULT_MAX_JSON_VALUES) -> AggregateMetricsRequest:
     """Validate an ``/aggregate_metrics`` body: each row's interpreted keys are typed
-    (:class:`AggregateRow`); raises :class:`BadRequest` naming the JSON path."""
-    obj = decode_object(raw)
+    (:class:`AggregateRow`); raises :class:`TooManyValues` past ``max_values``,
+    :class:`BadRequest` naming the JSON path."""
+    return run_steps(decode_aggregate_steps(raw, max_values))
+
+
+def decode_aggregate_steps(
+        raw: bytes, max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[AggregateMetricsRequest]:
+    """:func:`decode_aggregate` in steps."""
+    obj = yield from decode_object_steps(raw, max_values)
     try:
         msgspec.convert(obj, _TypedAggregateRequest)
         return msgspec.convert(obj, AggregateMetricsRequest)
@@ -533,11 +748,19 @@ class GetRewardRequest(msgspec.Struct, kw_only=True):
     labels: list[Any] | None = None
 
 
-def decode_get_reward(raw: bytes) -> GetRewardRequest:
-    """Validate a ``/get_reward`` body; raises :class:`BadRequest` naming the JSON path: wrong
-    types, more than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a
-    label longer than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
-    obj = decode_object(raw)
+def decode_get_reward(raw: bytes,
+                      max_values: int = DEFAULT_MAX_JSON_VALUES) -> GetRewardRequest:
+    """Validate a ``/get_reward`` body; raises :class:`TooManyValues` past ``max_values``
+    (config ``max_json_values``), :class:`BadRequest` naming the JSON path: wrong types, more
+    than :data:`MAX_GET_REWARD_SAMPLES` samples, lists of different lengths, a label longer
+    than :data:`MAX_LABEL_CHARS` as JSON. Pure."""
+    return run_steps(decode_get_reward_steps(raw, max_values))
+
+
+def decode_get_reward_steps(raw: bytes,
+                            max_values: int = DEFAULT_MAX_JSON_VALUES) -> Steps[GetRewardRequest]:
+    """:func:`decode_get_reward` in steps."""
+    obj = yield from decode_object_steps(raw, max_values)
     try:
         request = msgspec.convert(obj, GetRewardRequest)
     except msgspec.ValidationError as exc:

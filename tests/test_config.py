@@ -380,6 +380,7 @@ INVALID: list[tuple[str, Any]] = [
     *[("judge_schedule", v) for v in ("lazy",)],
     *[("judge_order", v) for v in ("fifo", "", 3)],
     *[("max_request_bytes", v) for v in (0, -1)],
+    *[("max_json_values", v) for v in (999, 0, -1, 1.5, None, "many")],
     *[("shutdown_grace_s", v) for v in (0, -1, ".inf", ".nan", None)],
     ("state_dir", "''"),
     *[("max_active_cohorts", v) for v in (0, -1)],

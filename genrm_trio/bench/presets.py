@@ -14,11 +14,13 @@ from genrm_trio.bench.cases import step
 from genrm_trio.bench.cases.admission import admission_case
 from genrm_trio.bench.cases.economy import economy_cases
 from genrm_trio.bench.cases.flood import flood_case
+from genrm_trio.bench.cases.hostile_body import hostile_body_cases
 from genrm_trio.bench.cases.judge_client import judge_client_case
 from genrm_trio.bench.cases.load import load_case, staggered_case
 from genrm_trio.bench.cases.release import release_case
 from genrm_trio.bench.cases.scaleout import scaleout_case
 from genrm_trio.bench.cases.slow_disk import slow_disk_cases
+from genrm_trio.bench.cases.slow_readers import slow_readers_cases
 from genrm_trio.bench.cases.soak import soak_case
 from genrm_trio.bench.cases.steady_state import steady_state_case
 from genrm_trio.bench.cases.step import step_cases
@@ -94,15 +96,20 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "economy": economy_cases,
     "tracing": lambda: [tracing_case()],
     "slow_disk": slow_disk_cases,
+    "hostile_body": hostile_body_cases,
+    "slow_readers": slow_readers_cases,
 })
 
 
 """Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak``, ``flood``
 (which fills the server's memory budget on purpose), ``tracing`` (which needs the ``[otel]``
-extra) and ``slow_disk`` (which needs ``cc`` for its LD_PRELOAD shim), in order."""
+extra), ``slow_disk`` (which needs ``cc`` for its LD_PRELOAD shim), ``hostile_body`` (which
+sends 15 MB every second on purpose) and ``slow_readers`` (which holds 800 MB of answers on
+purpose), in order."""
 
 
-NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing", "slow_disk"})
+NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing", "slow_disk", "hostile_body",
+                        "slow_readers"})
 
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
@@ -202,9 +209,16 @@ SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "one_failed_members",
         "two_failed_members",
     ),
-    "slow_disk": ("rewarded", "cohorts", "cohort_p50_ms", "cohort_p99_ms", "cohort_max_ms",
-                  "probe_p50_ms", "probe_p99_ms", "probe_max_ms", "journal_commits",
-                  "journal_degraded"),
+    "slow_disk": ("rewarded", "cohorts", "rewarded_per_s", "cohort_p50_ms", "cohort_p99_ms",
+                  "cohort_max_ms", "probe_p50_ms", "probe_p99_ms", "probe_max_ms",
+                  "journal_commits", "journal_degraded"),
+    "hostile_body": ("body_mb", "body_values", "hostile_413", "hostile_200", "hostile_timeouts",
+                     "probe_p50_ms", "probe_p99_ms", "probe_max_ms", "rewarded", "cohorts",
+                     "rewarded_within_1s", "cohort_p50_ms", "cohort_max_ms", "server_cpu_pct"),
+    "slow_readers": ("budget_mb", "baseline_rss_mb", "peak_rss_mb", "end_rss_mb",
+                     "peak_over_budget_mb", "unsent_peak_mb", "send_timeouts", "ended_429",
+                     "ended_reset", "ended_unfinished", "probe_p50_ms", "probe_p99_ms",
+                     "probe_max_ms"),
     "staggered": ("makespan_s", "latency_p50_ms", "latency_p99_ms", "cpu_ms_per_cohort"),
     "flood": (
         "verifies_per_s",

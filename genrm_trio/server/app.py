@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Generator
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import trio
 from quart import Response, request
@@ -63,6 +64,31 @@ NOTE_INTERVAL_S = 10.0
 """At most one log line per this many seconds for disconnects, 429s and 401s each."""
 TRACE_SCOPE_KEY = "genrm_trio.trace"
 """Where a traced request's span sits in its ASGI scope, for the quart routes (``/compare``)."""
+STEPPED_BYTES = 16 * 1024
+"""A body (or an answer that holds one) of more than this many bytes is decoded, checked,
+weighed and encoded in steps, the event loop running other tasks between them
+(:func:`run_stepped`); a smaller one at once, in a few milliseconds at most."""
+
+_T = TypeVar("_T")
+
+
+async def run_stepped(steps: Generator[None, None, _T], size: int) -> _T:
+    """The result of ``steps`` (a ``wire.*_steps`` generator, for a body of ``size`` bytes).
+    Past :data:`STEPPED_BYTES`, a checkpoint after each step, so the loop is held at most for
+    the longest one: one C call (a count over the bytes, msgspec's decode or encode, part of
+    the weighing walk), which ``max_json_values`` bounds to about 40 ms (issue 26). Not a
+    worker thread: msgspec and every ``bytes`` method hold the GIL for a whole call, and a
+    thread busy with them makes each of the loop's system calls wait for the GIL again (probe
+    steps of 250 ms were measured that way, against the 40 ms of the longest call). A
+    cancellation (the client left, shutdown) stops the work at the next checkpoint."""
+    if size <= STEPPED_BYTES:
+        return wire.run_steps(steps)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(_T, done.value)
+        await trio.lowlevel.checkpoint()
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -146,13 +172,17 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
 
     @app.post("/compare")
     async def compare() -> Response:
-        body = wire.decode_compare(await _read_body(), cfg.max_compare_responses)
+        raw = await _read_body()
+        body = await run_stepped(wire.decode_compare_steps(
+            raw, cfg.max_compare_responses, cfg.max_json_values), len(raw))
         span = cast(RequestSpan, request.scope.get(TRACE_SCOPE_KEY, NO_REQUEST_SPAN))
         return await _compare(cfg, judge, body, span)
 
     @app.post("/get_reward")
     async def get_reward() -> Response:
-        body = wire.decode_get_reward(await _read_body())
+        raw = await _read_body()
+        body = await run_stepped(wire.decode_get_reward_steps(raw, cfg.max_json_values),
+                                 len(raw))
         return await _get_reward(cfg, registry, body)
 
     @app.get("/")
@@ -178,14 +208,17 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     @app.post("/seed_session")
     @app.post("/close_session")
     async def session_hook() -> Response:
-        body = wire.decode_object(await _read_body() or b"{}")
+        raw = await _read_body() or b"{}"
+        body = await run_stepped(wire.decode_object_steps(raw, cfg.max_json_values), len(raw))
         if "resources_session_id" in body:
             return json_response({"resources_session_id": body["resources_session_id"]})
         return json_response({})
 
     @app.post("/aggregate_metrics")
     async def aggregate_metrics() -> Response:
-        body = wire.decode_aggregate(await _read_body())
+        raw = await _read_body()
+        body = await run_stepped(wire.decode_aggregate_steps(raw, cfg.max_json_values),
+                                 len(raw))
         metrics = metrics_mod.aggregate_metrics(body.verify_responses)
         # The same canonical bytes `collect` and `aggregate` write to disk.
         return Response(metrics_mod.encode_metrics(metrics), status=200, content_type=JSON)
@@ -257,18 +290,34 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> Answer:
     """The HTTP answer for one member's outcome: status, encoded JSON body, extra headers.
     Encoded here, so the decoded body built for it is gone before the caller awaits the send
     (thousands of waiters may be released at once, to clients that read slowly)."""
+    return wire.run_steps(verify_answer_steps(member, outcome))
+
+
+def verify_answer_steps(member: wire.VerifyMember, outcome: Outcome) -> wire.Steps[Answer]:
+    """:func:`verify_answer` in two steps: the body decoded again (with its answer's keys),
+    then encoded."""
     encode = wire.JSON_ENCODER.encode
     if isinstance(outcome, Rewarded):
-        return 200, encode(wire.success_body(
+        body = wire.success_body(
             member, outcome.reward, outcome.defaulted_comparisons,
             cohort_expected=outcome.cohort_expected, cohort_scored=outcome.cohort_scored,
-            reused_comparisons=outcome.reused_comparisons, assigned_slot=outcome.slot)), []
+            reused_comparisons=outcome.reused_comparisons, assigned_slot=outcome.slot)
+        yield
+        return 200, encode(body), []
     if outcome.masked:
-        return 200, encode(wire.masked_body(member, outcome.detail)), []
+        body = wire.masked_body(member, outcome.detail)
+        yield
+        return 200, encode(body), []
     headers = []
     if outcome.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, round(outcome.retry_after_s))).encode()))
     return outcome.status, encode(wire.error_body(outcome.detail, outcome.kind)), headers
+
+
+def _encoded_success(member: wire.VerifyMember, reward: float) -> wire.Steps[bytes]:
+    body = wire.success_body(member, reward)
+    yield
+    return wire.JSON_ENCODER.encode(body)
 
 
 class VerifyEndpoint:
@@ -277,8 +326,9 @@ class VerifyEndpoint:
     Why not a Quart route: this is the one hot path (every rollout passes here, and a waiter can
     sit here for the whole collection deadline); Quart's request context, werkzeug headers and
     two helper tasks per request cost about a fifth of the server's CPU. Here: the body is read
-    whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded, handed to
-    the registry, and the answer sent. While it waits, the handler's own task reads the connection
+    whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded (a big one
+    in steps, :func:`run_stepped`, as its answer is built), handed to the registry, and the
+    answer sent. While it waits, the handler's own task reads the connection
     (:meth:`CohortRegistry.verify_unless_gone`): the client's ``http.disconnect`` removes only its
     own waiter, and the cohort's resolution interrupts the read. No task is started per request,
     and the answer's two ASGI messages are sent under one shielded, bounded scope.
@@ -309,13 +359,16 @@ class VerifyEndpoint:
             label = member
         elif self._cfg.num_rollouts_per_prompt <= 1:
             span.member(member)
-            await _send_json(send, 200, wire.success_body(member, self._cfg.default_score))
+            payload = await run_stepped(_encoded_success(member, self._cfg.default_score),
+                                        len(member.raw))
+            await _send_payload(send, 200, payload)
             label = "rewarded"
         else:
             span.member(member)
             outcome = await self._registry.verify_unless_gone(
                 member, partial(_until_disconnect, receive), span)
-            answer = verify_answer(member, outcome) if outcome is not None else None
+            answer = (await run_stepped(verify_answer_steps(member, outcome), len(member.raw))
+                      if outcome is not None else None)
             # The body is not held while its answer waits for a client that reads slowly:
             # the answer alone counts towards max_active_bytes then (_ShieldedSend).
             del member
@@ -339,8 +392,11 @@ class VerifyEndpoint:
             await _send_json(send, 415, wire.error_body(problem, "bad_request"))
             return "bad_request"
         try:
-            return wire.decode_verify(raw, self._cfg.num_rollouts_per_prompt, rollout_id,
-                                      arrival_slots=self._cfg.legacy_slots == "arrival")
+            cfg = self._cfg
+            return await run_stepped(wire.decode_verify_steps(
+                raw, cfg.num_rollouts_per_prompt, rollout_id,
+                arrival_slots=cfg.legacy_slots == "arrival", max_values=cfg.max_json_values),
+                len(raw))
         except WireError as exc:
             await _send_json(send, exc.status, wire.error_body(exc.detail, exc.failure_kind))
             return exc.failure_kind or "bad_request"

@@ -81,6 +81,10 @@ def bounds() -> dict[str, Any]:
         "rollout_id": f"/ng-rollout/<rollout_id>/...: {wire.ROLLOUT_ID_PATTERN}, at most "
         f"{wire.MAX_ROLLOUT_ID_CHARS} characters: else 404",
         "max_request_bytes": "config max_request_bytes (default 16 MiB): 413",
+        "max_json_values": "config max_json_values (default "
+        f"{wire.DEFAULT_MAX_JSON_VALUES:,}): JSON values, counted on the bytes before the body "
+        f"is decoded, outside strings; an object or array counts {wire.CONTAINER_WEIGHT}, a "
+        f"number with an exponent {wire.EXPONENT_WEIGHT}: 413 too_large naming max_json_values",
         "max_compare_responses": "config max_compare_responses (default 128): 400",
         "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
         "send_timeout_s": "config send_timeout_s (default 60): a client that takes none of its "
@@ -221,12 +225,14 @@ def build_openapi() -> dict[str, Any]:
             "post": {
                 "operationId": "aggregate_metrics",
                 "requestBody": _json_body("AggregateMetricsRequest"),
-                "responses": {"200": ok_json, "400": _error("bad_request", ("bad_request",))},
+                "responses": {"200": ok_json, "400": _error("bad_request", ("bad_request",)),
+                              "413": _error("too_large", ("too_large",))},
             }
         },
-        "/seed_session": {"post": {"operationId": "seed_session", "responses": {"200": ok_json}}},
-        "/close_session": {"post": {"operationId": "close_session",
-                                    "responses": {"200": ok_json}}},
+        "/seed_session": {"post": {"operationId": "seed_session", "responses": {
+            "200": ok_json, "413": _error("too_large", ("too_large",))}}},
+        "/close_session": {"post": {"operationId": "close_session", "responses": {
+            "200": ok_json, "413": _error("too_large", ("too_large",))}}},
         "/": {"get": {"operationId": "root", "responses": {"200": ok_json}}},
         "/health": {"get": {"operationId": "health", "responses": {"200": ok_json}}},
         "/healthz": {"get": {"operationId": "healthz", "responses": {"200": ok_json}}},

@@ -19,7 +19,8 @@ prober process (the flood preset's) times ``GET /healthz`` on the probe port eve
       +-- GET /status (the journal's counters); the rig stops the server by its pid
 
 Reported: ``rewarded`` (cohorts whose every member got an unmasked reward within the client's
-timeout) of ``cohorts``, cohort latency p50/p99/max (first send to last answer), probe
+timeout) of ``cohorts``, the throughput ``rewarded_per_s`` (rewarded cohorts per second from the
+first send to the last answer), cohort latency p50/p99/max (first send to last answer), probe
 p50/p99/max, the journal's commits and largest batch when the server reports them, and
 whether it degraded. ``GENRM_BENCH_SERVER_PYTHONPATH`` (e.g. ``/work/main``) runs the server
 under test from another checkout, for before/after figures. Ours only.
@@ -132,6 +133,10 @@ def slow_disk_case(
         metrics: dict[str, float] = {
             "cohorts": float(count),
             "rewarded": float(len(rewarded)),
+            # Throughput: cohorts rewarded per second, from the first send to the last answer
+            # (the offered rate, rate_per_s, while the server keeps up).
+            "rewarded_per_s": len(rewarded) / max(1e-9, max(
+                (m.done_at for r in rewarded for m in r.members), default=started) - started),
             "unanswered": float(count - len(done)),
             "answered_not_rewarded": float(len(done) - len(rewarded)),
             "cohort_p50_ms": percentile(latencies, 0.5),
