@@ -365,6 +365,10 @@ class CohortRegistry:
         self._watch_queued = trio.Event()
         self._watch_timer_scope: trio.CancelScope | None = None
         self._shutting_down = False
+        # Drain (README "Rolling restart"): new cohorts refused with 425 so that a proxy sends
+        # them elsewhere; the cohorts open here finish. `_idle` wakes wait_until_idle.
+        self._draining = False
+        self._idle = trio.Event()
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
         self._journal = journal
@@ -435,6 +439,35 @@ class CohortRegistry:
     @property
     def journal(self) -> Journal | None:
         return self._journal
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop opening cohorts: from now on a member that would open a new cohort (a group
+        this process holds no active cohort of) is refused with 425 ``draining``, which a proxy
+        retries on another replica before any client sees it; members of the cohorts open here,
+        replays and recorded failures are answered as before. Synchronous and idempotent; undone
+        by :meth:`end_drain`."""
+        if not self._draining:
+            self._draining = True
+            logger.info("drain: new cohorts refused (425 draining), %d open cohorts finish",
+                        len(self._active))
+
+    def end_drain(self) -> None:
+        """Open new cohorts again (``POST /admin/ready``). No effect once shutdown has begun."""
+        if self._draining and not self._shutting_down:
+            self._draining = False
+            logger.info("drain taken back: new cohorts admitted again")
+
+    async def wait_until_idle(self) -> None:
+        """Return once no cohort is active (at once if none is). Cancellable; wakes when the
+        last active cohort retires."""
+        while self._active:
+            if self._idle.is_set():
+                self._idle = trio.Event()
+            await self._idle.wait()
 
     async def verify(self, member: VerifyMember, span: RequestSpan = NO_REQUEST_SPAN) -> Outcome:
         """Admit one member and wait for its cohort's outcome.
@@ -612,6 +645,8 @@ class CohortRegistry:
         now = trio.current_time()
         self._prune(now)
         if self._shutting_down:
+            if self._draining:  # a drain's end: a proxy still sends it elsewhere
+                return self._refuse_draining()
             return Failure(503, "shutdown", "the server is shutting down")
         fields = member.fields()  # decoded again here; not kept (see VerifyMember)
         prompt_input = fields.responses_create_params.get("input")
@@ -706,7 +741,11 @@ class CohortRegistry:
                 "_ng_group_attempt",
             )
 
-        # A new cohort. Admission control first: a refusal changes no state.
+        # A new cohort. A draining process opens none, except a newer attempt of a group whose
+        # cohort it holds (that group is still this replica's). A refusal changes no state.
+        if self._draining and (group_id is None or group_id not in self._active_by_group):
+            return self._refuse_draining()
+        # Admission control first: a refusal changes no state.
         if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
             return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
         if self._over_budget():
@@ -801,6 +840,10 @@ class CohortRegistry:
         if self._unsent_bytes:
             detail += f" ({self._unsent_bytes} of them answers not yet taken by their clients)"
         return detail
+
+    def _refuse_draining(self) -> Failure:
+        self.counters["drain_refused"] += 1
+        return _draining_failure()
 
     def _advance_watermark(
         self, group_id: str, attempt: int, prompt_digest: str, now: float,
@@ -1226,6 +1269,8 @@ class CohortRegistry:
         key = cohort.key
         now = trio.current_time()
         del self._active[key]
+        if not self._active:
+            self._idle.set()
         self._crowd.cohorts = len(self._active)
         self._active_bytes -= cohort.size_bytes
         failure = cohort.failure
@@ -1371,8 +1416,16 @@ def _conflict(key: identity.CohortKey, slot: int, where: str) -> Failure:
     )
 
 
-_UNRECORDED = frozenset({"overloaded", "shutdown"})
+_UNRECORDED = frozenset({"overloaded", "shutdown", "draining"})
 """Refusals at admission that no journaled state decided."""
+
+
+def _draining_failure() -> Failure:
+    return Failure(
+        425, "draining",
+        "this replica is draining: it finishes the cohorts it holds and opens no new one; "
+        "send the request to another replica (a proxy retries it there)",
+    )
 
 
 def _overloaded(why: str) -> Failure:
