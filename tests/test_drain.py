@@ -21,6 +21,7 @@ from genrm_trio.config import Config, drain_bound_s, load_config
 from genrm_trio.errors import ConfigError
 from genrm_trio.server.drain import DrainMode, DrainState
 from genrm_trio.server.probes import AGENT_REQUEST
+from genrm_trio.server.serve import run_server
 from tests.lifecycle_helpers import Outcomes, ScriptedJudge, member, open_registry
 from tests.process_helpers import get_json, http_call, serve_process
 from tests.server_helpers import running_server
@@ -182,6 +183,14 @@ def _agent(port: int) -> bytes:
         return b"".join(chunks)
 
 
+def _verify_body(group: str, slot: int) -> bytes:
+    return msgspec.json.encode({
+        "responses_create_params": {"input": "q"},
+        "response": {"output": [{"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": f"answer {slot}"}]}]},
+        "_ng_rollout_index": slot, "_ng_group_id": group, "_ng_group_attempt": 0})
+
+
 async def test_admin_routes_need_auth_and_drive_the_drain_and_the_agent_answer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Without inbound auth the admin routes are refused.
@@ -193,32 +202,65 @@ async def test_admin_routes_need_auth_and_drive_the_drain_and_the_agent_answer(
 
     monkeypatch.setenv("DRAIN_TEST_TOKEN", "s3cret")
     cfg = cfg_n(port=0, probe_port=0, auth_token_env="DRAIN_TEST_TOKEN")
-    async with running_server(cfg) as url, trio.open_nursery():
+    async with running_server(cfg) as url, trio.open_nursery() as nursery:
         import httpx2
 
         headers = {"authorization": "Bearer s3cret"}
-        async with httpx2.AsyncClient(base_url=url, headers=headers) as client:
+        answers: dict[int, int] = {}
+        async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+
+            async def send(slot: int) -> None:
+                answer = await client.post("/verify", content=_verify_body("held", slot))
+                answers[slot] = answer.status_code
+
             probe_port = (await client.get("/status")).json()["config"]["probe_port"]
             assert await trio.to_thread.run_sync(_agent, probe_port) == b"ready up\n"
+            # A cohort held open, else the drain would end (and the server stop) at once.
+            nursery.start_soon(send, 0)
+            while (await client.get("/status")).json()["cohorts"]["active_cohorts"] != 1:
+                await trio.sleep(0.01)
             async with httpx2.AsyncClient(base_url=url) as anonymous:
                 assert (await anonymous.post("/admin/drain")).status_code == 401
             drained = await client.post("/admin/drain")
             assert drained.status_code == 200, drained.text
             assert drained.json()["state"] == "draining"
+            assert drained.json()["open_cohorts"] == 1
             assert await trio.to_thread.run_sync(_agent, probe_port) == b"drain\n"
             assert (await client.get("/readyz")).status_code == 200  # still this replica's
+            status = (await client.get("/status")).json()
+            assert status["drain"]["state"] == "draining"
+            assert status["drain"]["open_cohorts"] == 1
             metrics = (await client.get("/metrics")).text
             assert "genrm_draining 1.0" in metrics
-            body = msgspec.json.encode({"responses_create_params": {"input": "q"},
-                                        "response": {"output": []}, "_ng_rollout_index": 0,
-                                        "_ng_group_id": "x", "_ng_group_attempt": 0})
-            refused = await client.post("/verify", content=body)
+            refused = await client.post("/verify", content=_verify_body("new", 0))
             assert refused.status_code == 425
             assert refused.json()["failure_kind"] == "draining"
             assert "genrm_drain_refused_total 1.0" in (await client.get("/metrics")).text
             ready = await client.post("/admin/ready")
             assert ready.json()["state"] == "serving"
             assert await trio.to_thread.run_sync(_agent, probe_port) == b"ready up\n"
+            assert "genrm_draining 0.0" in (await client.get("/metrics")).text
+            await send(1)  # the held cohort completes; nothing was lost
+            await trio.testing.wait_all_tasks_blocked()
+        assert answers == {0: 200, 1: 200}
+
+
+async def test_an_admin_drain_with_nothing_open_stops_the_server_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAIN_TEST_TOKEN", "s3cret")
+    cfg = cfg_n(port=0, probe_port=0, auth_token_env="DRAIN_TEST_TOKEN")
+    stop = trio.Event()
+    with trio.fail_after(30):  # a hang guard, not a timing goal
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(
+                lambda task_status: run_server(cfg, shutdown=stop, task_status=task_status))
+            import httpx2
+
+            async with httpx2.AsyncClient(base_url=url) as client:
+                drained = await client.post("/admin/drain",
+                                            headers={"authorization": "Bearer s3cret"})
+            assert drained.status_code == 200, drained.text
+            await stop.wait()  # the drain set the server's stop event: run_server returns
 
 
 async def test_sigusr1_drains_a_real_server_which_exits_0_once_its_cohort_is_answered(
