@@ -217,7 +217,7 @@ async def test_admin_routes_need_auth_and_drive_the_drain_and_the_agent_answer(
             assert await trio.to_thread.run_sync(_agent, probe_port) == b"ready up\n"
             # A cohort held open, else the drain would end (and the server stop) at once.
             nursery.start_soon(send, 0)
-            while (await client.get("/status")).json()["cohorts"]["active_cohorts"] != 1:
+            while (await client.get("/status")).json()["cohorts"]["active_cohorts"] != 1:  # noqa: ASYNC110 - behind HTTP
                 await trio.sleep(0.01)
             async with httpx2.AsyncClient(base_url=url) as anonymous:
                 assert (await anonymous.post("/admin/drain")).status_code == 401
@@ -280,11 +280,11 @@ async def test_sigusr1_drains_a_real_server_which_exits_0_once_its_cohort_is_ans
 
         nursery.start_soon(send, 0)
         with trio.fail_after(30):  # a hang guard on real processes, not a timing goal
-            while (await get_json(server.host, server.port, "/status")
+            while (await get_json(server.host, server.port, "/status")  # noqa: ASYNC110
                    )["cohorts"]["active_cohorts"] != 1:
                 await trio.sleep(0.05)
             os.kill(server.proc.pid, signal.SIGUSR1)
-            while (await get_json(server.host, server.port, "/status")
+            while (await get_json(server.host, server.port, "/status")  # noqa: ASYNC110
                    )["drain"]["state"] != "draining":
                 await trio.sleep(0.05)
             assert server.proc.returncode is None  # its cohort is open: it waits
