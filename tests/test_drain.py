@@ -109,6 +109,8 @@ async def test_the_drain_task_stops_the_server_when_the_last_open_cohort_finishe
         start = trio.current_time()
         assert mode.request()
         assert mode.status()["open_cohorts"] == 1
+        # Its last deadline: collection (60 s from its first member, 3 s ago), then 30 s.
+        assert mode.status()["open_deadline_s"] == pytest.approx(87.0)
         await trio.sleep(5.0)
         assert not stop.is_set()  # its cohort is still collecting
         out.send("g-1", member(cfg, 1, group="g"))

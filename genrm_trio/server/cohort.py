@@ -461,6 +461,23 @@ class CohortRegistry:
             self._draining = False
             logger.info("drain taken back: new cohorts admitted again")
 
+    def longest_open_deadline_s(self) -> float | None:
+        """Seconds until the last deadline of the active cohorts (a collecting cohort's is its
+        collection deadline plus a whole evaluation timeout; an evaluating one's, its
+        evaluation deadline): how long a drain can have to wait for them. None when none is
+        active. O(active cohorts); for /status while draining."""
+        if not self._active:
+            return None
+        cfg = self._cfg
+        now = trio.current_time()
+        ends = (
+            (cohort.opened_at + cfg.cohort_collection_timeout_s
+             if cohort.evaluating_at is None else cohort.evaluating_at)
+            + cfg.cohort_evaluation_timeout_s
+            for cohort in self._active.values()
+        )
+        return max(0.0, max(ends) - now)
+
     async def wait_until_idle(self) -> None:
         """Return once no cohort is active (at once if none is). Cancellable; wakes when the
         last active cohort retires."""

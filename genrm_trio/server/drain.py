@@ -51,6 +51,8 @@ class Drainable(Protocol):
 
     def snapshot(self) -> dict[str, int]: ...
 
+    def longest_open_deadline_s(self) -> float | None: ...
+
     async def wait_until_idle(self) -> None: ...
 
 
@@ -113,7 +115,8 @@ class DrainMode:
 
     def status(self) -> dict[str, Any]:
         """For ``/status``: the state, and while draining the seconds since it began, the
-        seconds left of its bound and the cohorts still open."""
+        seconds left of its bound, the cohorts still open and the seconds until the last of
+        their deadlines (``open_deadline_s``; null with none open)."""
         out: dict[str, Any] = {"state": self.state.value, "timeout_s": self.bound_s,
                                "drains": self.drains}
         if self.state is not DrainState.SERVING:
@@ -122,6 +125,9 @@ class DrainMode:
             out["remaining_s"] = round(max(0.0, self.bound_s - elapsed), 3)
         if self._registry is not None:
             out["open_cohorts"] = self._registry.snapshot()["active_cohorts"]
+            if self.state is not DrainState.SERVING:
+                deadline = self._registry.longest_open_deadline_s()
+                out["open_deadline_s"] = None if deadline is None else round(deadline, 3)
         return out
 
     async def run(self, registry: Drainable, stop: trio.Event) -> None:
