@@ -17,6 +17,7 @@ from genrm_trio.bench.cases.flood import flood_case
 from genrm_trio.bench.cases.judge_client import judge_client_case
 from genrm_trio.bench.cases.load import load_case, staggered_case
 from genrm_trio.bench.cases.release import release_case
+from genrm_trio.bench.cases.rolling import rolling_case
 from genrm_trio.bench.cases.scaleout import scaleout_case
 from genrm_trio.bench.cases.slow_disk import slow_disk_cases
 from genrm_trio.bench.cases.soak import soak_case
@@ -94,15 +95,17 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "economy": economy_cases,
     "tracing": lambda: [tracing_case()],
     "slow_disk": slow_disk_cases,
+    "rolling": lambda: [rolling_case()],
 })
 
 
 """Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak``, ``flood``
 (which fills the server's memory budget on purpose), ``tracing`` (which needs the ``[otel]``
-extra) and ``slow_disk`` (which needs ``cc`` for its LD_PRELOAD shim), in order."""
+extra), ``slow_disk`` (which needs ``cc`` for its LD_PRELOAD shim) and ``rolling`` (a gate, like
+the soak: restarts its replicas under load), in order."""
 
 
-NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing", "slow_disk"})
+NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing", "slow_disk", "rolling"})
 
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
@@ -202,6 +205,10 @@ SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "one_failed_members",
         "two_failed_members",
     ),
+    "rolling": ("members_sent", "rewarded", "masked", "failed", "judged_twice", "judge_calls",
+                "restarts", "clean_exits", "replays_sent", "replays_answered",
+                "open_cohorts_at_drain_max", "drain_max_s", "exit_max_s",
+                "drains_within_deadline", "restart_ready_max_s"),
     "slow_disk": ("rewarded", "cohorts", "cohort_p50_ms", "cohort_p99_ms", "cohort_max_ms",
                   "probe_p50_ms", "probe_p99_ms", "probe_max_ms", "journal_commits",
                   "journal_degraded"),
