@@ -223,6 +223,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 5.0
     drain_timeout_s: float | None = None
+    rejoin_s: float = 0.0
     state_dir: str | None = None
     max_active_cohorts: int | None = None
     max_active_bytes: int | Literal["auto"] | None = "auto"
@@ -577,6 +578,7 @@ def _validate_config(cfg: Config) -> None:
     _number("max_request_bytes", cfg.max_request_bytes, ge=1, integer=True)
     _number("shutdown_grace_s", cfg.shutdown_grace_s, gt=0)
     _number("drain_timeout_s", cfg.drain_timeout_s, gt=0, nullable=True)
+    _number("rejoin_s", cfg.rejoin_s, ge=0)
     _non_empty("state_dir", cfg.state_dir, nullable=True)
     _number("max_active_cohorts", cfg.max_active_cohorts, ge=1, nullable=True, integer=True)
     if cfg.max_active_bytes != "auto":

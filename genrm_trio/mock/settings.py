@@ -161,8 +161,9 @@ class MockJudgeState:
     ``traceparents``: the W3C ``traceparent`` header (None when absent)
     of the last :data:`TRACEPARENTS_KEPT` judge calls, oldest first. ``repeated_calls`` counts
     the judge calls answered without a fault whose prompt (the rendered conversation: one
-    comparison) this mock had already answered so, over the first :data:`PROMPTS_REMEMBERED` distinct prompts
-    (``distinct_prompts``); the rolling-restart bench reads it as "comparisons judged twice".
+    comparison) this mock had already answered so, over the first :data:`PROMPTS_REMEMBERED`
+    distinct prompts (``distinct_prompts``); the rolling-restart bench reads it as
+    "comparisons judged twice".
     """
 
     def __init__(

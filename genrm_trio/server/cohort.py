@@ -369,6 +369,12 @@ class CohortRegistry:
         # them elsewhere; the cohorts open here finish. `_idle` wakes wait_until_idle.
         self._draining = False
         self._idle = trio.Event()
+        # Rejoin (README "Rolling restart"): for rejoin_s after start no cohort opens here (425,
+        # the proxy sends the member on), and each group refused so is remembered, so that its
+        # later members and attempts follow it to the replica that opened it.
+        self._rejoin_until = (trio.current_time() + cfg.rejoin_s if cfg.rejoin_s > 0
+                              else None)
+        self._elsewhere: OrderedDict[object, float] = OrderedDict()
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
         self._journal = journal
@@ -454,6 +460,30 @@ class CohortRegistry:
             self._draining = True
             logger.info("drain: new cohorts refused (425 draining), %d open cohorts finish",
                         len(self._active))
+
+    @property
+    def rejoining_s(self) -> float:
+        """Seconds left of the rejoin window (0 once it is over or when there is none)."""
+        if self._rejoin_until is None:
+            return 0.0
+        left = self._rejoin_until - trio.current_time()
+        if left <= 0:
+            self._rejoin_until = None
+            return 0.0
+        return left
+
+    @property
+    def groups_elsewhere(self) -> int:
+        """Groups remembered as open on another replica (refused here while rejoining)."""
+        return len(self._elsewhere)
+
+    def end_rejoin(self) -> None:
+        """End the rejoin window now (``POST /admin/ready``); the groups it refused stay
+        remembered (their cohorts are open elsewhere)."""
+        if self._rejoin_until is not None:
+            self._rejoin_until = None
+            logger.info("rejoin ended: new cohorts admitted (%d groups stay elsewhere)",
+                        len(self._elsewhere))
 
     def end_drain(self) -> None:
         """Open new cohorts again (``POST /admin/ready``). No effect once shutdown has begun."""
@@ -762,6 +792,13 @@ class CohortRegistry:
         # cohort it holds (that group is still this replica's). A refusal changes no state.
         if self._draining and (group_id is None or group_id not in self._active_by_group):
             return self._refuse_draining()
+        # A rejoining process (rejoin_s after start) opens none either: the group may be open on
+        # the replica that took this one's groups while it was away; so is a group it refused
+        # so before, for as long as that cohort can stay open there.
+        elsewhere = group_id if group_id is not None else key
+        if self.rejoining_s > 0 or self._open_elsewhere(elsewhere, now):
+            self._note_elsewhere(elsewhere, now)
+            return self._refuse_draining()
         # Admission control first: a refusal changes no state.
         if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
             return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
@@ -857,6 +894,26 @@ class CohortRegistry:
         if self._unsent_bytes:
             detail += f" ({self._unsent_bytes} of them answers not yet taken by their clients)"
         return detail
+
+    def _open_elsewhere(self, group: object, now: float) -> bool:
+        expires = self._elsewhere.get(group)
+        if expires is None:
+            return False
+        if expires <= now:
+            del self._elsewhere[group]
+            return False
+        return True
+
+    def _note_elsewhere(self, group: object, now: float) -> None:
+        """Remember ``group`` as open on another replica for as long as a cohort can stay open
+        (collection plus evaluation timeouts from now); at most :data:`MAX_GROUPS_ELSEWHERE`,
+        the oldest forgotten first."""
+        cfg = self._cfg
+        self._elsewhere[group] = (now + cfg.cohort_collection_timeout_s
+                                  + cfg.cohort_evaluation_timeout_s)
+        self._elsewhere.move_to_end(group)
+        while len(self._elsewhere) > MAX_GROUPS_ELSEWHERE:
+            self._elsewhere.popitem(last=False)
 
     def _refuse_draining(self) -> Failure:
         self.counters["drain_refused"] += 1
@@ -1433,6 +1490,10 @@ def _conflict(key: identity.CohortKey, slot: int, where: str) -> Failure:
     )
 
 
+MAX_GROUPS_ELSEWHERE = 65536
+"""Groups a rejoining replica remembers as open on another replica (README "Rolling restart");
+past it the oldest is forgotten (its later members could then open a partial cohort here)."""
+
 _UNRECORDED = frozenset({"overloaded", "shutdown", "draining"})
 """Refusals at admission that no journaled state decided."""
 
@@ -1440,8 +1501,9 @@ _UNRECORDED = frozenset({"overloaded", "shutdown", "draining"})
 def _draining_failure() -> Failure:
     return Failure(
         425, "draining",
-        "this replica is draining: it finishes the cohorts it holds and opens no new one; "
-        "send the request to another replica (a proxy retries it there)",
+        "this replica opens no new cohort now (it is draining, or rejoining after a restart: "
+        "this group may be open on another replica); send the request to another replica "
+        "(a proxy retries it there)",
     )
 
 

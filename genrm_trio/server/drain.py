@@ -6,16 +6,19 @@ replica, and then stops the process as SIGTERM would, with nothing left to fail:
 
 1. ``SIGUSR1`` or ``POST /admin/drain`` calls :meth:`DrainMode.request`: the registry refuses a
    member that would open a new cohort with 425 ``draining`` (a status HAProxy retries on the
-   next replica: ``retry-on 425``), and the probe port's agent answer turns from ``ready up``
-   to ``drain`` (HAProxy then sends no new group here, and still routes the groups its stick
-   table holds for this replica). Members of open cohorts, replays and recorded failures are
-   answered as before; readiness stays 200 (a replica marked down would lose its groups'
-   later members to the other replicas).
+   next replica: ``retry-on 425``). Members of open cohorts, replays and recorded failures are
+   answered as before; readiness stays 200 and the probe port's agent answer stays ``up``: the
+   replica must stay on HAProxy's hash ring, because a replica marked down or in DRAIN would
+   lose its open groups' later members to the other replicas (HAProxy's stick table learns a
+   group's replica only from its first answer, which a collecting cohort has not given yet:
+   measured with HAProxy 2.6, README "Rolling restart").
 2. :meth:`DrainMode.run`, a task of ``serve``'s root nursery, waits until no cohort is active,
    or for ``drain_timeout_s`` (null: the longest a cohort can stay open), whichever is first,
    then sets the server's stop event: the usual graceful shutdown follows, in which whatever is
    still open ends as with SIGTERM, and the process exits 0.
-3. ``POST /admin/ready`` (:meth:`DrainMode.take_back`) before that undoes it.
+3. ``POST /admin/ready`` (:meth:`DrainMode.take_back`) before that undoes it; it also ends a
+   restarted replica's rejoin window (``rejoin_s``: the registry opens no cohort for that long
+   after start, and remembers the groups it refused as open elsewhere).
 
 Owned by ``serve_main`` (which maps SIGUSR1 to it) or ``run_server``; no global state, and the
 only task is :meth:`run`, in the caller's nursery.
@@ -48,6 +51,14 @@ class Drainable(Protocol):
     def begin_drain(self) -> None: ...
 
     def end_drain(self) -> None: ...
+
+    def end_rejoin(self) -> None: ...
+
+    @property
+    def rejoining_s(self) -> float: ...
+
+    @property
+    def groups_elsewhere(self) -> int: ...
 
     def snapshot(self) -> dict[str, int]: ...
 
@@ -99,11 +110,14 @@ class DrainMode:
         return True
 
     def take_back(self) -> bool:
-        """Serve new cohorts again. False when it is too late (the drain is over, or shutdown
-        has begun); True otherwise, also when nothing was draining."""
+        """Serve new cohorts again: the drain taken back, the rejoin window (``rejoin_s``)
+        ended. False when it is too late (the drain is over, or shutdown has begun); True
+        otherwise, also when nothing was draining."""
         if self.state is DrainState.STOPPING or (self._registry is not None and
                                                  self._registry.shutting_down):
             return False
+        if self._registry is not None:
+            self._registry.end_rejoin()
         if self.state is DrainState.DRAINING:
             self.state = DrainState.SERVING
             self._requested = trio.Event()
@@ -125,6 +139,8 @@ class DrainMode:
             out["remaining_s"] = round(max(0.0, self.bound_s - elapsed), 3)
         if self._registry is not None:
             out["open_cohorts"] = self._registry.snapshot()["active_cohorts"]
+            out["rejoining_s"] = round(self._registry.rejoining_s, 3)
+            out["groups_elsewhere"] = self._registry.groups_elsewhere
             if self.state is not DrainState.SERVING:
                 deadline = self._registry.longest_open_deadline_s()
                 out["open_deadline_s"] = None if deadline is None else round(deadline, 3)

@@ -26,9 +26,9 @@ has its request.
 
 HAProxy's agent check (``agent-check agent-port <probe_port> agent-send "agent\\n"``) is
 answered here too: a connection whose first bytes are the line ``agent`` gets one line of
-HAProxy's agent protocol (``ready up``, ``drain`` while draining, ``down`` once shutdown has
-begun; README "Rolling restart") and is closed. It is not HTTP: an HTTP answer's status line
-would read to HAProxy as a weight.
+HAProxy's agent protocol (``up``, ``down`` once shutdown has begun, so HAProxy stops sending
+before the health check notices; README "Rolling restart") and is closed. It is not HTTP: an
+HTTP answer's status line would read to HAProxy as a weight.
 
 Served: ``GET``/``HEAD`` of ``/``, ``/health``, ``/healthz``, ``/livez`` (liveness: 200
 ``{"status": "ok"}`` while the event loop runs) and ``/readyz`` (200 ``{"status": "ready"}``,

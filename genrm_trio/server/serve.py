@@ -187,9 +187,9 @@ async def _serve_in(
         # through the shutdown grace (readiness 503), until Hypercorn is done and `root` is
         # cancelled.
         def agent_line() -> bytes:  # HAProxy's agent check (server/probes.py)
-            if registry.shutting_down:
-                return b"down\n"
-            return b"drain\n" if mode.draining else b"ready up\n"
+            # Never "drain": a draining replica stays on the ring (server/drain.py). Never
+            # "ready" either: it would cancel a DRAIN or MAINT an operator set in HAProxy.
+            return b"down\n" if registry.shutting_down else b"up\n"
 
         await root.start(partial(serve_probes, probe_socket, lambda: not registry.shutting_down,
                                  after=main_serving, agent=agent_line))

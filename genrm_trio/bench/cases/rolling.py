@@ -29,7 +29,7 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,9 @@ _READY_S = 60.0
 @dataclass
 class Replica:
     """One replica behind HAProxy: its name there (``r1``...), fixed main and probe ports and
-    ``state_dir``, and its current process (restarted in place: same ports, same state)."""
+    ``state_dir``, and its current process (restarted in place: same ports, same state). Each
+    process lives in a task of ``nursery`` (the one :func:`start_replicas` owns), so it can be
+    stopped and started again from any task."""
 
     name: str
     port: int
@@ -62,9 +64,13 @@ class Replica:
     state_dir: Path
     command: list[str]
     log_dir: Path
+    nursery: trio.Nursery
+    rejoin_s: float = 0.0
+    """``rejoin_s`` of every generation after the first (a restart into a running fleet)."""
     generation: int = 0
     proc: Proc | None = None
-    _stack: AsyncExitStack | None = None
+    _stop: trio.Event | None = None
+    _ended: trio.Event | None = None
 
     @property
     def address(self) -> str:
@@ -75,18 +81,35 @@ class Replica:
         return self.log_dir / f"rolling-{self.name}-{self.generation}.log"
 
     async def start(self) -> None:
-        """Start a new generation on the same ports and state_dir; returns once it serves."""
+        """Start a new generation on the same ports and state_dir (from the second on, with
+        ``rejoin_s``); returns once it serves."""
         if self.proc is not None:
             raise RuntimeError(f"{self.name} is running")
         self.generation += 1
-        stack = AsyncExitStack()
+        command = list(self.command)
+        if self.generation > 1:
+            command += ["--set", f"rejoin_s={self.rejoin_s!r}"]
+        await self.nursery.start(self._generation, command)
+
+    async def wait_rejoined(self, limit_s: float) -> None:
+        """Poll ``/status`` until the rejoin window is over (a hang guard: ``limit_s``)."""
+        with trio.fail_after(limit_s):
+            while (await self.get_json("/status"))["drain"]["rejoining_s"] > 0:  # noqa: ASYNC110
+                await trio.sleep(0.1)  # the state lives behind HTTP
+
+    async def _generation(self, command: list[str],
+                          task_status: trio.TaskStatus[None]) -> None:
+        stop, ended = trio.Event(), trio.Event()
+        self._stop, self._ended = stop, ended
         try:
-            self.proc = await stack.enter_async_context(launch_process(
-                self.command, log_path=self.log_path, ready_prefix=READY_OURS))
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
+            async with launch_process(command, log_path=self.log_path,
+                                      ready_prefix=READY_OURS) as proc:
+                self.proc = proc
+                task_status.started()
+                await stop.wait()
+        finally:
+            self.proc = None
+            ended.set()
 
     async def drain_and_wait(self, bound_s: float) -> int:
         """SIGUSR1 (drain), then wait for the process to exit; its exit code. Raises
@@ -97,10 +120,10 @@ class Replica:
             return await proc.process.wait()
 
     async def stop(self) -> None:
-        """End the current process (SIGTERM when it still runs) and forget it."""
-        stack, self._stack, self.proc = self._stack, None, None
-        if stack is not None:
-            await stack.aclose()
+        """End the current process (SIGTERM when it still runs) and wait until it has."""
+        if self._stop is not None and self._ended is not None:
+            self._stop.set()
+            await self._ended.wait()
 
     def drain_seconds(self) -> float | None:
         """The current generation's ``drain complete after X s`` (None: not in its log)."""
@@ -126,30 +149,36 @@ class Replica:
 
 @asynccontextmanager
 async def start_replicas(sets: dict[str, str], *, judge_url: str, work: Path, log_dir: Path,
-                         count: int = 2) -> AsyncIterator[list[Replica]]:
+                         count: int = 2, rejoin_s: float = 0.0) -> AsyncIterator[list[Replica]]:
     """``count`` replicas (``genrm-trio serve``) on fixed free loopback ports, each with a
-    probe port and a state_dir of its own under ``work``, with ``sets`` (``--set`` items);
-    all stopped on exit."""
-    replicas: list[Replica] = []
-    try:
-        for i in range(1, count + 1):
-            port, probe_port = free_port(), free_port()
-            state_dir = work / f"r{i}-state"
-            state_dir.mkdir(parents=True, exist_ok=True)
-            extra = {**sets, "probe_port": str(probe_port), "state_dir": str(state_dir)}
-            cmd = ours_command(judge_url, ServerSettings(ours_extra=tuple(extra.items()),
-                                                         n=int(sets["num_rollouts_per_prompt"]),
-                                                         collection_timeout_s=float(
-                                                             sets["cohort_collection_timeout_s"])))
-            cmd[cmd.index("--port") + 1] = str(port)
-            replica = Replica(f"r{i}", port, probe_port, state_dir, cmd, log_dir)
-            replicas.append(replica)
-            await replica.start()
-        yield replicas
-    finally:
-        for replica in replicas:
+    probe port and a state_dir of its own under ``work``, with ``sets`` (``--set`` items;
+    restarts add ``rejoin_s``); all stopped on exit."""
+    async with trio.open_nursery() as nursery:
+        replicas: list[Replica] = []
+        ports: set[int] = set()
+        while len(ports) < 2 * count:  # free now, and distinct
+            ports.add(free_port())
+        free = sorted(ports)
+        try:
+            for i in range(1, count + 1):
+                port, probe_port = free[2 * i - 2], free[2 * i - 1]
+                state_dir = work / f"r{i}-state"
+                state_dir.mkdir(parents=True, exist_ok=True)
+                extra = {**sets, "probe_port": str(probe_port), "state_dir": str(state_dir)}
+                settings = ServerSettings(
+                    n=int(sets["num_rollouts_per_prompt"]), ours_extra=tuple(extra.items()),
+                    collection_timeout_s=float(sets["cohort_collection_timeout_s"]))
+                cmd = ours_command(judge_url, settings)
+                cmd[cmd.index("--port") + 1] = str(port)
+                replica = Replica(f"r{i}", port, probe_port, state_dir, cmd, log_dir, nursery,
+                                  rejoin_s)
+                replicas.append(replica)
+                await replica.start()
+            yield replicas
+        finally:
             with trio.CancelScope(shield=True):
-                await replica.stop()
+                for replica in replicas:
+                    await replica.stop()
 
 
 @dataclass
@@ -172,7 +201,7 @@ class _Restart:
     drain_s: float | None = None
     exit_s: float = 0.0
     exit_code: int | None = None
-    haproxy_drain_s: float | None = None
+    haproxy_down_s: float | None = None
     restart_ready_s: float = 0.0
     replays_sent: int = 0
     replays_answered: int = 0
@@ -201,13 +230,14 @@ def _decode(answer: HttpAnswer) -> tuple[float | None, bool, str | None]:
 
 def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0,
                  rounds: int = 2, settle_s: float = 4.0, judge_ms: float = 100.0,
-                 replays_per_restart: int = 8, seed: int = 29) -> Case:
+                 rejoin_s: float = 10.0, replays_per_restart: int = 8, seed: int = 29) -> Case:
     """``rounds`` full rolling restarts of two replicas behind HAProxy under a steady load:
     ``groups_in_flight`` groups of ``n`` at all times, each member sent after a uniform random
     delay in [0, ``spread_s``) from its group's start (so groups are open on both replicas at
-    every moment). In each round each replica in turn, ``settle_s`` after the previous one is
-    ready again: SIGUSR1 (drain), exit (must be 0), restart on its ports and ``state_dir``,
-    wait until HAProxy shows it up and out of DRAIN, then replay member 0 of up to
+    every moment). In each round each replica in turn, ``settle_s`` after the previous one has
+    rejoined: SIGUSR1 (drain), exit (must be 0), restart on its ports and ``state_dir`` with
+    ``rejoin_s`` (longer than a group's members take to arrive: ``spread_s`` plus the
+    restart's few seconds), wait until HAProxy shows it up, then replay member 0 of up to
     ``replays_per_restart`` groups it answered before the restart (through HAProxy: the stick
     table sends them to it; its journal must answer each with the same reward).
 
@@ -241,7 +271,7 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
                 mock_command(JudgeSettings(latency_ms=judge_ms)), log_path=logs /
                 "rolling-judge.log", ready_prefix=READY_MOCK))
             replicas = await stack.enter_async_context(start_replicas(
-                sets, judge_url=judge.base_url, work=work, log_dir=logs))
+                sets, judge_url=judge.base_url, work=work, log_dir=logs, rejoin_s=rejoin_s))
             proxy = await stack.enter_async_context(open_haproxy(
                 [r.address for r in replicas], max_request_bytes=1 << 20,
                 log_path=logs / "rolling-haproxy.log",
@@ -308,9 +338,10 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
                                 break
                             await trio.sleep(0.01)
                     with contextlib.suppress(HaproxyError):
-                        await proxy.wait_until(replica.name, lambda s: s.draining or not s.up,
-                                               bound_s)
-                        record.haproxy_drain_s = time.monotonic() - started
+                        # The replica stays on the ring until it shuts down ("down" from
+                        # its agent, or its health check).
+                        await proxy.wait_until(replica.name, lambda s: not s.up, bound_s)
+                        record.haproxy_down_s = time.monotonic() - started
                 record.exit_code = codes[0]
                 record.exit_s = time.monotonic() - started
                 record.drain_s = replica.drain_seconds()
@@ -331,6 +362,7 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
                     if (answer.status == 200 and got == reward and not masked
                             and answer.header(_REPLICA) == replica.name.encode()):
                         record.replays_answered += 1
+                await replica.wait_rejoined(rejoin_s + _READY_S)
 
             async with trio.open_nursery() as nursery:
                 for _ in range(groups_in_flight):
@@ -389,6 +421,7 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
         })
 
     params = {"n": n, "groups_in_flight": groups_in_flight, "spread_s": spread_s,
-              "rounds": rounds, "settle_s": settle_s, "judge_ms": judge_ms, "gate": True}
+              "rounds": rounds, "settle_s": settle_s, "judge_ms": judge_ms,
+              "rejoin_s": rejoin_s, "gate": True}
     return Case("rolling", f"n{n}-k{groups_in_flight}-{rounds}rounds", run, params,
                 kinds=("ours",))
