@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections import Counter
 from typing import Any, Protocol
 
 import trio
@@ -59,6 +60,8 @@ class Drainable(Protocol):
 
     @property
     def groups_elsewhere(self) -> int: ...
+
+    counters: Counter[str]
 
     def snapshot(self) -> dict[str, int]: ...
 
@@ -130,7 +133,8 @@ class DrainMode:
     def status(self) -> dict[str, Any]:
         """For ``/status``: the state, and while draining the seconds since it began, the
         seconds left of its bound, the cohorts still open and the seconds until the last of
-        their deadlines (``open_deadline_s``; null with none open)."""
+        their deadlines (``open_deadline_s``; null with none open); always the members refused
+        with 425 so far, the rejoin window's seconds left and the groups it sent elsewhere."""
         out: dict[str, Any] = {"state": self.state.value, "timeout_s": self.bound_s,
                                "drains": self.drains}
         if self.state is not DrainState.SERVING:
@@ -139,6 +143,7 @@ class DrainMode:
             out["remaining_s"] = round(max(0.0, self.bound_s - elapsed), 3)
         if self._registry is not None:
             out["open_cohorts"] = self._registry.snapshot()["active_cohorts"]
+            out["refused"] = self._registry.counters["drain_refused"]  # 425s, this process
             out["rejoining_s"] = round(self._registry.rejoining_s, 3)
             out["groups_elsewhere"] = self._registry.groups_elsewhere
             if self.state is not DrainState.SERVING:

@@ -203,6 +203,9 @@ class _Restart:
     exit_code: int | None = None
     haproxy_down_s: float | None = None
     restart_ready_s: float = 0.0
+    refused_while_draining: int = 0
+    refused_while_rejoining: int = 0
+    groups_sent_elsewhere: int = 0
     replays_sent: int = 0
     replays_answered: int = 0
     verdicts_after_restart: int = 0
@@ -330,13 +333,16 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
                     nursery.start_soon(wait_exit)
                     # What the replica holds when its drain begins (while it still answers).
                     with contextlib.suppress(LoadgenError, ValueError):
+                        seen = False
                         while not exit_task.is_set():
                             status = (await replica.get_json("/status"))["drain"]
                             if status["state"] != "serving":
-                                record.open_cohorts = status.get("open_cohorts", 0)
-                                record.open_deadline_s = status.get("open_deadline_s")
-                                break
-                            await trio.sleep(0.01)
+                                if not seen:
+                                    record.open_cohorts = status.get("open_cohorts", 0)
+                                    record.open_deadline_s = status.get("open_deadline_s")
+                                    seen = True
+                                record.refused_while_draining = status["refused"]
+                            await trio.sleep(0.01 if not seen else 0.05)
                     with contextlib.suppress(HaproxyError):
                         # The replica stays on the ring until it shuts down ("down" from
                         # its agent, or its health check).
@@ -363,6 +369,9 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
                             and answer.header(_REPLICA) == replica.name.encode()):
                         record.replays_answered += 1
                 await replica.wait_rejoined(rejoin_s + _READY_S)
+                status = (await replica.get_json("/status"))["drain"]
+                record.refused_while_rejoining = status["refused"]
+                record.groups_sent_elsewhere = status["groups_elsewhere"]
 
             async with trio.open_nursery() as nursery:
                 for _ in range(groups_in_flight):
@@ -396,6 +405,8 @@ def rolling_case(*, n: int = 8, groups_in_flight: int = 8, spread_s: float = 3.0
             "replays_sent": float(sum(r.replays_sent for r in restarts)),
             "replays_answered": float(sum(r.replays_answered for r in restarts)),
             "open_cohorts_at_drain_max": float(max(r.open_cohorts for r in restarts)),
+            "refused_425_draining": float(sum(r.refused_while_draining for r in restarts)),
+            "refused_425_rejoining": float(sum(r.refused_while_rejoining for r in restarts)),
             "drain_max_s": max((r.drain_s or 0.0) for r in restarts),
             "exit_max_s": max(r.exit_s for r in restarts),
             "restart_ready_max_s": max(r.restart_ready_s for r in restarts),
