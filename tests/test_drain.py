@@ -296,3 +296,59 @@ async def test_sigusr1_drains_a_real_server_which_exits_0_once_its_cohort_is_ans
     assert all(json.loads(raw)["mask_sample"] is False for _, raw in answers.values())
     log = (tmp_path / "serve.log").read_text()
     assert "drain complete" in log
+
+
+async def test_a_rejoining_registry_opens_no_cohort_and_keeps_refused_groups_elsewhere(
+        autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = cfg_n(rejoin_s=10.0)  # collection 60 s + evaluation 30 s: how long a group stays away
+    async with open_registry(cfg, ScriptedJudge()) as registry, trio.open_nursery() as nursery:
+        out = Outcomes(registry, nursery)
+        assert registry.rejoining_s == pytest.approx(10.0)
+        before = registry.snapshot()
+        away = await registry.verify(member(cfg, 0, group="away"))
+        assert (away.status, away.kind) == (425, "draining")  # type: ignore[union-attr]
+        assert registry.snapshot() == before and registry.groups_elsewhere == 1
+        await trio.sleep(10.0)
+        assert registry.rejoining_s == 0.0
+        # The window is over: a new group opens here, the one sent on stays away.
+        out.send("new-0", member(cfg, 0, group="new"))
+        out.send("new-1", member(cfg, 1, group="new"))
+        late = await registry.verify(member(cfg, 1, group="away"))
+        assert late.kind == "draining"  # type: ignore[union-attr]
+        newer = await registry.verify(member(cfg, 0, group="away", attempt=1))
+        assert newer.kind == "draining"  # type: ignore[union-attr]
+        await trio.testing.wait_all_tasks_blocked()
+        out.reward("new-0")
+        # Its cohort elsewhere is over by 90 s after the last refusal: then it may open here.
+        await trio.sleep(89.0)
+        assert (await registry.verify(member(cfg, 0, group="away", attempt=1))
+                ).kind == "draining"  # type: ignore[union-attr]
+        await trio.sleep(90.0)
+        out.send("away-0", member(cfg, 0, group="away", attempt=2))
+        out.send("away-1", member(cfg, 1, group="away", attempt=2))
+        await trio.testing.wait_all_tasks_blocked()
+        out.reward("away-0")
+        assert registry.groups_elsewhere == 0
+        assert registry.counters["drain_refused"] == 4
+
+    # Bounded: past MAX_GROUPS_ELSEWHERE the oldest group is forgotten.
+    monkeypatch.setattr("genrm_trio.server.cohort.MAX_GROUPS_ELSEWHERE", 2)
+    async with open_registry(cfg, ScriptedJudge()) as registry:
+        for group in ("a", "b", "c"):
+            await registry.verify(member(cfg, 0, group=group))
+        assert registry.groups_elsewhere == 2
+        registry.end_rejoin()  # POST /admin/ready
+        assert registry.rejoining_s == 0.0
+        assert (await registry.verify(member(cfg, 0, group="b"))).kind == "draining"  # type: ignore[union-attr]
+        async with trio.open_nursery() as nursery:
+            out = Outcomes(registry, nursery)
+            out.send("a-0", member(cfg, 0, group="a"))  # forgotten: opens here
+            out.send("a-1", member(cfg, 1, group="a"))
+            await trio.testing.wait_all_tasks_blocked()
+            out.reward("a-0")
+
+
+def test_rejoin_s_is_validated() -> None:
+    assert load_config(None, ["rejoin_s=12.5"]).rejoin_s == 12.5
+    with pytest.raises(ConfigError, match="rejoin_s"):
+        load_config(None, ["rejoin_s=-1"])
