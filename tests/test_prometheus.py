@@ -175,6 +175,7 @@ def test_counters_past_a_million_keep_full_precision() -> None:
     class Registry:
         counters = Counter({"cohorts_opened": 1_234_567})
         shutting_down = False
+        draining = False
         journal = None
 
         def snapshot(self) -> dict[str, int]:
