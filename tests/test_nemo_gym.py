@@ -390,12 +390,14 @@ def test_launched_by_gym_env_start(nemo: NemoGym, mock_policy: str, mock_judge: 
 ROLLING_TASKS = 12  # groups of N: NeMo Gym's collector keeps them in flight together
 
 
-def _collect_many(nemo: NemoGym, config: Path, tmp: Path, tasks: int) -> tuple[list[Any], str]:
-    """NeMo Gym's collector: ``tasks`` distinct tasks, N repeats each; its rows and its
-    failures file's text."""
+def _collect_many(nemo: NemoGym, config: Path, tmp: Path, tasks: int,
+                  first: int = 0) -> tuple[list[Any], str]:
+    """NeMo Gym's collector: ``tasks`` distinct tasks (questions ``first``...), N repeats
+    each, run in ``tmp``; its rows and its failures file's text."""
+    tmp.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"responses_create_params": {"input": [
         {"role": "user", "content": f"Question {i}: what is {i} + {i}? Explain briefly."}]}})
-        for i in range(tasks)]
+        for i in range(first, first + tasks)]
     (tmp / "tasks.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp / "out.jsonl"
     done = subprocess.run(
@@ -449,7 +451,7 @@ async def test_external_through_haproxy_during_a_rolling_restart(
 
                 async def collect() -> None:
                     got.append(await trio.to_thread.run_sync(
-                        _collect_many, nemo, config, tmp_path, ROLLING_TASKS))
+                        _collect_many, nemo, config, tmp_path / "during", ROLLING_TASKS))
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(collect)
@@ -471,15 +473,23 @@ async def test_external_through_haproxy_during_a_rolling_restart(
                     status = (await r1.get_json("/status"))["drain"]
                     restart["refused_while_rejoining"] = status["refused"]
                     restart["groups_elsewhere"] = status["groups_elsewhere"]
+                # Once it has rejoined, the restarted replica takes its share again.
+                got.append(await trio.to_thread.run_sync(
+                    _collect_many, nemo, config, tmp_path / "after", ROLLING_TASKS,
+                    ROLLING_TASKS))
+                restart["r1_judged_after"] = (await r1.get_json("/status"))["verdict_reuse"][
+                    "judged_comparisons"]
             finally:
                 await trio.to_thread.run_sync(gym.stop)
     finally:
         _stop(policy.proc)
-    rows, failures = got[0]
-    print(f"NeMo Gym through HAProxy during a restart: {len(rows)} rows, restart {restart}")
-    assert not failures.strip(), failures[:2000]
+    print(f"NeMo Gym through HAProxy during a restart: rows {[len(r) for r, _ in got]}, "
+          f"restart {restart}")
     assert restart["exit_code"] == 0 and restart["open_at_drain"] > 0, restart
-    assert len(rows) == ROLLING_TASKS * N
-    for row in rows:
-        assert isinstance(row["reward"], float), row
-        assert row["mask_sample"] is False and row["failure_kind"] is None, row
+    for rows, failures in got:
+        assert not failures.strip(), failures[:2000]
+        assert len(rows) == ROLLING_TASKS * N
+        for row in rows:
+            assert isinstance(row["reward"], float), row
+            assert row["mask_sample"] is False and row["failure_kind"] is None, row
+    assert restart["r1_judged_after"] > 0, restart  # it took groups again
