@@ -348,6 +348,18 @@ async def test_a_rejoining_registry_opens_no_cohort_and_keeps_refused_groups_els
             out.reward("a-0")
 
 
+async def test_admin_ready_ends_the_rejoin_window(autojump_clock: trio.testing.MockClock) -> None:
+    cfg = cfg_n(rejoin_s=30.0)
+    async with open_registry(cfg, ScriptedJudge()) as registry:
+        mode = DrainMode(drain_bound_s(cfg))
+        mode.attach(registry)
+        assert mode.status()["rejoining_s"] == pytest.approx(30.0)
+        await registry.verify(member(cfg, 0, group="away"))
+        assert mode.take_back()
+        assert registry.rejoining_s == 0.0
+        assert mode.status()["groups_elsewhere"] == 1 and mode.status()["refused"] == 1
+
+
 def test_rejoin_s_is_validated() -> None:
     assert load_config(None, ["rejoin_s=12.5"]).rejoin_s == 12.5
     with pytest.raises(ConfigError, match="rejoin_s"):

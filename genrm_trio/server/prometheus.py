@@ -203,8 +203,12 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
                  "ones finishing (README \"Rolling restart\").",
                  1.0 if registry.draining else 0.0)
     yield CounterMetricFamily("genrm_drain_refused", "Requests refused with 425 draining "
-                              "(they would have opened a new cohort).",
+                              "(they would have opened a new cohort), draining or rejoining.",
                               value=registry.counters["drain_refused"])
+    yield _gauge("genrm_rejoining_seconds", "Seconds left of the rejoin window after a "
+                 "restart (rejoin_s): no cohort opens here meanwhile.", registry.rejoining_s)
+    yield _gauge("genrm_groups_elsewhere", "Groups refused while rejoining, remembered as open "
+                 "on another replica.", float(registry.groups_elsewhere))
     counters = registry.counters
     yield CounterMetricFamily("genrm_cohorts_opened", "Cohorts opened.",
                               value=counters["cohorts_opened"])
