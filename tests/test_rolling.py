@@ -83,7 +83,7 @@ async def test_one_drain_behind_haproxy_loses_nothing(tmp_path: Path) -> None:
             "cohort_evaluation_timeout_s": "60", "log_level": "INFO"}
     with trio.fail_after(SCENARIO_BOUND_S):
         async with start_replicas(sets, judge_url="", work=tmp_path, log_dir=tmp_path,
-                                  rejoin_s=3.0) as replicas, open_haproxy(
+                                  rejoin_s=60.0) as replicas, open_haproxy(
                 [r.address for r in replicas], max_request_bytes=1 << 20,
                 log_path=tmp_path / "haproxy.log",
                 probe_ports=[r.probe_port for r in replicas]) as proxy:
