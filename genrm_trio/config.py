@@ -227,6 +227,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_request_bytes: int = 16 * 1024 * 1024
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
     shutdown_grace_s: float = 5.0
+    drain_timeout_s: float | None = None
+    rejoin_s: float = 0.0
     state_dir: str | None = None
     max_active_cohorts: int | None = None
     max_active_bytes: int | Literal["auto"] | None = "auto"
@@ -494,6 +496,14 @@ def min_members_present(cfg: Config) -> int:
     return cfg.num_rollouts_per_prompt - 1
 
 
+def drain_bound_s(cfg: Config) -> float:
+    """How long a drain waits for the cohorts open when it began: ``drain_timeout_s``, or, when
+    it is null, the longest a cohort can stay open (its collection plus evaluation deadline)."""
+    if cfg.drain_timeout_s is not None:
+        return cfg.drain_timeout_s
+    return cfg.cohort_collection_timeout_s + cfg.cohort_evaluation_timeout_s
+
+
 def _validate_partial(cfg: Config) -> None:
     _choice("incomplete_cohort_policy", cfg.incomplete_cohort_policy, ("fail", "judge_present"))
     _choice("legacy_slots", cfg.legacy_slots, ("required", "arrival"))
@@ -573,6 +583,8 @@ def _validate_config(cfg: Config) -> None:
     _number("max_request_bytes", cfg.max_request_bytes, ge=1, integer=True)
     _number("max_json_values", cfg.max_json_values, ge=MIN_JSON_VALUES, integer=True)
     _number("shutdown_grace_s", cfg.shutdown_grace_s, gt=0)
+    _number("drain_timeout_s", cfg.drain_timeout_s, gt=0, nullable=True)
+    _number("rejoin_s", cfg.rejoin_s, ge=0)
     _non_empty("state_dir", cfg.state_dir, nullable=True)
     _number("max_active_cohorts", cfg.max_active_cohorts, ge=1, nullable=True, integer=True)
     if cfg.max_active_bytes != "auto":

@@ -438,6 +438,23 @@ async def test_admin_endpoints_drive_and_report_the_state(
     assert (await client.get(url + RESPONSES_PATH)).status_code == 405
 
 
+async def test_a_prompt_answered_again_counts_as_a_repeated_call(
+    nursery: trio.Nursery, client: httpx2.AsyncClient
+) -> None:
+    url, state = await start_judge(nursery)
+    await client.post(url + "/admin/fault", json={"fault": "503", "count": 1})
+    assert (await client.post(url + RESPONSES_PATH, json=responses_body())).status_code == 503
+    for _ in range(3):  # the faulted call answered nothing: the first of these is no repeat
+        assert (await client.post(url + RESPONSES_PATH, json=responses_body())).status_code == 200
+    other = responses_body(principle=PRINCIPLE)
+    assert (await client.post(url + RESPONSES_PATH, json=other)).status_code == 200
+    stats = (await client.get(url + "/admin/stats")).json()
+    assert (stats["distinct_prompts"], stats["repeated_calls"]) == (2, 2)
+    reset = (await client.post(url + "/admin/reset")).json()
+    assert (reset["distinct_prompts"], reset["repeated_calls"]) == (0, 0)
+    assert state.repeated_calls == 0
+
+
 async def test_keep_alive_serves_many_calls_on_one_connection(
     nursery: trio.Nursery, client: httpx2.AsyncClient
 ) -> None:

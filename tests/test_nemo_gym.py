@@ -15,8 +15,10 @@ rewards of NeMo Gym's rows, slot by slot), with `observability_enabled` off and 
   second `openai_model` server in front of our mock judge.
 
 Not part of the default run (``addopts`` deselects the ``nemo_gym`` marker) nor of CI. Needs
-nemo-gym 0.7.0 and uv in the venv `genrm_trio.bench.nemo_gym.default_nemo_venv()` names (the one the
-benchmark uses; README, "Use it from NeMo Gym"); skipped, saying so, without it. Run::
+nemo-gym 0.7.0 and uv in the venv `genrm_trio.bench.nemo_gym.default_nemo_venv()` names (the one
+the benchmark uses; README, "Use it from NeMo Gym"), or instead of uv
+``GENRM_NEMO_SERVER_VENV``, a Python 3.13 venv with genrm-trio installed (used as
+genrm-trio's server venv instead of one built with uv); skipped, saying so, without them. Run::
 
     python3 -m pytest -m nemo_gym tests/test_nemo_gym.py
 
@@ -93,14 +95,21 @@ def nemo(tmp_path_factory: pytest.TempPathFactory) -> NemoGym:
     found = ensure_nemo_venv(venv)  # never installs here: the venv's python exists
     if isinstance(found, str):
         pytest.skip(found)
+    # A prebuilt Python 3.13 venv with genrm-trio installed (pip install -e .) stands in for
+    # the one gym env start would build for genrm-trio's folder with uv.
+    genrm_venv = os.environ.get("GENRM_NEMO_SERVER_VENV")
     uv = venv / "bin" / "uv"
-    if not uv.exists() and shutil.which("uv") is None:
+    if not genrm_venv and not uv.exists() and shutil.which("uv") is None:
         pytest.skip(f"uv is missing (gym env start builds server venvs with it): "
-                    f"{venv}/bin/python -m pip install uv")
+                    f"{venv}/bin/python -m pip install uv, or set GENRM_NEMO_SERVER_VENV")
     server_venvs = tmp_path_factory.mktemp("nemo-server-venvs")
     for folder in NEMO_SERVERS:
         (server_venvs / folder).mkdir(parents=True)
         (server_venvs / folder / ".venv").symlink_to(venv, target_is_directory=True)
+    if genrm_venv:
+        (server_venvs / "resources_servers/genrm_trio").mkdir(parents=True)
+        (server_venvs / "resources_servers/genrm_trio/.venv").symlink_to(
+            Path(genrm_venv), target_is_directory=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("NEMO_GYM_", "GENRM_TRIO_", "UV_"))}
     env["PATH"] = os.pathsep.join([_base_python_dir(venv), str(venv / "bin"), env["PATH"]])
@@ -376,3 +385,111 @@ def test_launched_by_gym_env_start(nemo: NemoGym, mock_policy: str, mock_judge: 
     assert f"config from NeMo Gym block genrm_resources_server.resources_servers.genrm_trio " \
            f"at {url}; judge: NeMo Gym model server genrm_judge" in log
     _check_rewarded(rows, gym.err, observability)
+
+
+ROLLING_TASKS = 12  # groups of N: NeMo Gym's collector keeps them in flight together
+
+
+def _collect_many(nemo: NemoGym, config: Path, tmp: Path, tasks: int,
+                  first: int = 0) -> tuple[list[Any], str]:
+    """NeMo Gym's collector: ``tasks`` distinct tasks (questions ``first``...), N repeats
+    each, run in ``tmp``; its rows and its failures file's text."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"responses_create_params": {"input": [
+        {"role": "user", "content": f"Question {i}: what is {i} + {i}? Explain briefly."}]}})
+        for i in range(first, first + tasks)]
+    (tmp / "tasks.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp / "out.jsonl"
+    done = subprocess.run(
+        [str(nemo.gym), "eval", "run", "--no-serve", "--config", str(config), "--agent",
+         "genrm_simple_agent", "--input", str(tmp / "tasks.jsonl"), "--output", str(out),
+         "--num-repeats", str(N)], capture_output=True, text=True, timeout=COLLECT_TIMEOUT_S,
+        cwd=tmp, env=nemo.env)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    failures = tmp / "out_failures.jsonl"
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return rows, failures.read_text() if failures.exists() else ""
+
+
+async def test_external_through_haproxy_during_a_rolling_restart(
+        nemo: NemoGym, mock_judge: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NeMo Gym's own collector through HAProxy to two replicas, one of them drained,
+    restarted on its state_dir and rejoined while the collection runs (README "Rolling
+    restart"): every rollout rewarded, none masked, nothing in the failures file."""
+    import trio
+
+    from genrm_trio.bench.cases.rolling import start_replicas
+    from genrm_trio.bench.haproxy import ensure_haproxy, open_haproxy
+
+    try:
+        ensure_haproxy()
+    except Exception as exc:  # noqa: BLE001 - a missing program skips an opt-in test
+        pytest.skip(f"haproxy: {exc}")
+    # Read by the nemo fixture already; `genrm-trio serve` would take it for a config key.
+    monkeypatch.delenv("GENRM_TRIO_NEMO_VENV", raising=False)
+    policy = await trio.to_thread.run_sync(lambda: _start_ours(
+        ["mock-policy", "--port", "0", "--set", "latency_distribution=uniform",
+         "--set", "latency_mean_s=2.0", "--set", "latency_spread_s=2.0"],
+        tmp_path / "policy.log"))
+    sets = {"num_rollouts_per_prompt": str(N), "cohort_collection_timeout_s": "120",
+            "cohort_evaluation_timeout_s": "60", "log_level": "INFO", "log_format": "json"}
+    try:
+        async with start_replicas(sets, judge_url=mock_judge, work=tmp_path / "state",
+                                  log_dir=tmp_path, rejoin_s=8.0) as replicas, open_haproxy(
+                [r.address for r in replicas], max_request_bytes=1 << 20,
+                log_path=tmp_path / "haproxy.log",
+                probe_ports=[r.probe_port for r in replicas]) as proxy:
+            host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+            block = {"entrypoint": "external.py", "domain": "rlhf", "host": host,
+                     "port": int(port)}
+            config, head_port = _gym_config(nemo, tmp_path, policy.url, block, False)
+            gym = GymEnv(nemo, config, head_port, tmp_path)
+            try:
+                await trio.to_thread.run_sync(gym.wait_ready)
+                got: list[tuple[list[Any], str]] = []
+                restart: dict[str, Any] = {}
+
+                async def collect() -> None:
+                    got.append(await trio.to_thread.run_sync(
+                        _collect_many, nemo, config, tmp_path / "during", ROLLING_TASKS))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(collect)
+                    r1 = replicas[0]
+                    with trio.fail_after(COLLECT_TIMEOUT_S):
+                        while (await r1.get_json("/status"))["cohorts"]["active_cohorts"] == 0:  # noqa: ASYNC110
+                            await trio.sleep(0.05)
+                    started = time.monotonic()
+                    restart["open_at_drain"] = (await r1.get_json("/status"))["cohorts"][
+                        "active_cohorts"]
+                    restart["exit_code"] = await r1.drain_and_wait(180.0)
+                    restart["drain_exit_s"] = round(time.monotonic() - started, 3)
+                    restart["drain_s"] = r1.drain_seconds()
+                    await r1.stop()
+                    await r1.start()
+                    await proxy.wait_until("r1", lambda s: s.up)
+                    restart["restart_ready_s"] = round(time.monotonic() - started, 3)
+                    await r1.wait_rejoined(60.0)
+                    status = (await r1.get_json("/status"))["drain"]
+                    restart["refused_while_rejoining"] = status["refused"]
+                    restart["groups_elsewhere"] = status["groups_elsewhere"]
+                # Once it has rejoined, the restarted replica takes its share again.
+                got.append(await trio.to_thread.run_sync(
+                    _collect_many, nemo, config, tmp_path / "after", ROLLING_TASKS,
+                    ROLLING_TASKS))
+                restart["r1_judged_after"] = (await r1.get_json("/status"))["verdict_reuse"][
+                    "judged_comparisons"]
+            finally:
+                await trio.to_thread.run_sync(gym.stop)
+    finally:
+        _stop(policy.proc)
+    print(f"NeMo Gym through HAProxy during a restart: rows {[len(r) for r, _ in got]}, "
+          f"restart {restart}")
+    assert restart["exit_code"] == 0 and restart["open_at_drain"] > 0, restart
+    for rows, failures in got:
+        assert not failures.strip(), failures[:2000]
+        assert len(rows) == ROLLING_TASKS * N
+        for row in rows:
+            assert isinstance(row["reward"], float), row
+            assert row["mask_sample"] is False and row["failure_kind"] is None, row
+    assert restart["r1_judged_after"] > 0, restart  # it took groups again

@@ -175,6 +175,9 @@ def test_counters_past_a_million_keep_full_precision() -> None:
     class Registry:
         counters = Counter({"cohorts_opened": 1_234_567})
         shutting_down = False
+        draining = False
+        rejoining_s = 0.0
+        groups_elsewhere = 0
         journal = None
 
         def snapshot(self) -> dict[str, int]:

@@ -67,10 +67,15 @@ class LoadgenError(Exception):
 
 
 class HttpAnswer(msgspec.Struct, frozen=True):
-    """One HTTP answer: status code and the whole body."""
+    """One HTTP answer: status code, the whole body and the headers (names lowercase)."""
 
     status: int
     body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first header called ``name`` (lowercase), or None."""
+        return next((value for key, value in self.headers if key == name), None)
 
 
 class _Connection:
@@ -191,6 +196,7 @@ class H11Client:
             if hold is not None:
                 await hold.wait()
             status = 0
+            answer_headers: tuple[tuple[bytes, bytes], ...] = ()
             chunks: list[bytes] = []
             while True:
                 event = conn.h11.next_event()
@@ -199,10 +205,11 @@ class H11Client:
                     conn.h11.receive_data(data)
                 elif isinstance(event, h11.Response):
                     status = event.status_code
+                    answer_headers = tuple((bytes(k), bytes(v)) for k, v in event.headers)
                 elif isinstance(event, h11.Data):
                     chunks.append(bytes(event.data))
                 elif isinstance(event, h11.EndOfMessage):
-                    return HttpAnswer(status, b"".join(chunks))
+                    return HttpAnswer(status, b"".join(chunks), answer_headers)
                 elif isinstance(event, h11.ConnectionClosed):
                     raise LoadgenError("server closed the connection before answering")
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:

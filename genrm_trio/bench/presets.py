@@ -18,6 +18,7 @@ from genrm_trio.bench.cases.hostile_body import hostile_body_cases
 from genrm_trio.bench.cases.judge_client import judge_client_case
 from genrm_trio.bench.cases.load import load_case, staggered_case
 from genrm_trio.bench.cases.release import release_case
+from genrm_trio.bench.cases.rolling import rolling_case
 from genrm_trio.bench.cases.scaleout import scaleout_case
 from genrm_trio.bench.cases.slow_disk import slow_disk_cases
 from genrm_trio.bench.cases.slow_readers import slow_readers_cases
@@ -98,18 +99,19 @@ PRESETS: Mapping[str, Callable[[], list[Case]]] = MappingProxyType({
     "slow_disk": slow_disk_cases,
     "hostile_body": hostile_body_cases,
     "slow_readers": slow_readers_cases,
+    "rolling": lambda: [rolling_case()],
 })
 
 
 """Preset name -> its cases. ``all`` runs every preset but ``smoke``, ``soak``, ``flood``
 (which fills the server's memory budget on purpose), ``tracing`` (which needs the ``[otel]``
 extra), ``slow_disk`` (which needs ``cc`` for its LD_PRELOAD shim), ``hostile_body`` (which
-sends 15 MB every second on purpose) and ``slow_readers`` (which holds 800 MB of answers on
-purpose), in order."""
+sends 15 MB every second on purpose), ``slow_readers`` (which holds 800 MB of answers on
+purpose) and ``rolling`` (a gate, like the soak: restarts its replicas under load), in order."""
 
 
 NOT_IN_ALL = frozenset({"smoke", "soak", "flood", "tracing", "slow_disk", "hostile_body",
-                        "slow_readers"})
+                        "slow_readers", "rolling"})
 
 
 SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
@@ -209,6 +211,11 @@ SHOWN: Mapping[str, tuple[str, ...]] = MappingProxyType({
         "one_failed_members",
         "two_failed_members",
     ),
+    "rolling": ("members_sent", "rewarded", "masked", "failed", "judged_twice", "judge_calls",
+                "restarts", "clean_exits", "replays_sent", "replays_answered",
+                "open_cohorts_at_drain_max", "refused_425_draining", "refused_425_rejoining",
+                "drain_max_s", "exit_max_s",
+                "drains_within_deadline", "restart_ready_max_s"),
     "slow_disk": ("rewarded", "cohorts", "rewarded_per_s", "cohort_p50_ms", "cohort_p99_ms",
                   "cohort_max_ms", "probe_p50_ms", "probe_p99_ms", "probe_max_ms",
                   "journal_commits", "journal_degraded"),

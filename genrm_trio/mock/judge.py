@@ -211,6 +211,8 @@ class _Server:
                              error_body(exc.status, f"bad judge request: {exc}"))
             return True
         fault = state.next_fault()
+        if fault is Fault.NONE:
+            state.note_prompt(judged.prompt)
         if self.limiter is None:
             return await self._serve_call(stream, conn, request, judged, fault, call_no)
         state.queued += 1

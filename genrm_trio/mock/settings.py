@@ -3,6 +3,7 @@ the fault plan, which decides the fault of each call (:meth:`MockJudgeState.next
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -143,6 +144,8 @@ def settings_from_mapping(values: dict[str, Any]) -> MockJudgeSettings:
 
 
 TRACEPARENTS_KEPT = 4096
+PROMPTS_REMEMBERED = 200_000
+"""Distinct judge prompts a mock remembers to count repeats (about 100 bytes each in memory)."""
 
 
 class MockJudgeState:
@@ -156,7 +159,11 @@ class MockJudgeState:
     accepted connections. ``prompt_tokens`` and ``cached_tokens`` sum what answered calls
     were charged and found in the prefix cache (``computed_tokens``: the difference).
     ``traceparents``: the W3C ``traceparent`` header (None when absent)
-    of the last :data:`TRACEPARENTS_KEPT` judge calls, oldest first.
+    of the last :data:`TRACEPARENTS_KEPT` judge calls, oldest first. ``repeated_calls`` counts
+    the judge calls answered without a fault whose prompt (the rendered conversation: one
+    comparison) this mock had already answered so, over the first :data:`PROMPTS_REMEMBERED`
+    distinct prompts (``distinct_prompts``); the rolling-restart bench reads it as
+    "comparisons judged twice".
     """
 
     def __init__(
@@ -180,6 +187,8 @@ class MockJudgeState:
         self.cached_tokens = 0
         self.output_tokens = 0
         self.traceparents: deque[str | None] = deque(maxlen=TRACEPARENTS_KEPT)
+        self._prompts: set[bytes] = set()
+        self.repeated_calls = 0
         self._changed = trio.lowlevel.ParkingLot()
         self.fault = Fault.NONE
         self.fault_remaining: int | None = None
@@ -221,7 +230,18 @@ class MockJudgeState:
         self.cached_tokens = 0
         self.output_tokens = 0
         self.traceparents.clear()
+        self._prompts.clear()
+        self.repeated_calls = 0
         self.set_fault(Fault.NONE, None)
+
+    def note_prompt(self, prompt: bytes) -> None:
+        """Count a judge call's prompt: a repeat when this mock judged the same prompt before
+        (remembered as a 16-byte digest, at most :data:`PROMPTS_REMEMBERED` of them)."""
+        digest = hashlib.blake2b(prompt, digest_size=16).digest()
+        if digest in self._prompts:
+            self.repeated_calls += 1
+        elif len(self._prompts) < PROMPTS_REMEMBERED:
+            self._prompts.add(digest)
 
     def notify(self) -> None:
         """Wake :meth:`wait_for` callers; the server calls it whenever a counter moves."""
@@ -266,6 +286,8 @@ class MockJudgeState:
             "cached_tokens": self.cached_tokens,
             "computed_tokens": self.prompt_tokens - self.cached_tokens,
             "output_tokens": self.output_tokens,
+            "distinct_prompts": len(self._prompts),
+            "repeated_calls": self.repeated_calls,
             "fault": self.fault.value,
             "fault_remaining": self.fault_remaining,
             "fault_rate": self.fault_rate,

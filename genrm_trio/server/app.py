@@ -36,11 +36,12 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from genrm_trio import metrics as metrics_mod
 from genrm_trio import scoring, wire
-from genrm_trio.config import Config, config_summary
+from genrm_trio.config import Config, config_summary, drain_bound_s
 from genrm_trio.errors import JudgeFailed, TooLarge, UnsupportedMediaType, WireError
 from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import CohortRegistry, Failure, Outcome, Rewarded
+from genrm_trio.server.drain import DrainMode
 from genrm_trio.server.judge import Judge, JudgeRequest
 from genrm_trio.server.judge.h11_pool import MAX_IDLE_PER_ORIGIN
 from genrm_trio.server.process_memory import ProcessMemory
@@ -138,11 +139,13 @@ async def _read_body() -> bytes:
 
 def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
                metrics: ServerMetrics | None = None,
-               memory: ProcessMemory | None = None) -> QuartTrio:
+               memory: ProcessMemory | None = None,
+               drain_mode: DrainMode | None = None) -> QuartTrio:
     """Build the quart-trio app. The registry, judge, metrics and memory are owned by
     ``serve``; the app only borrows them, so it starts no task of its own. Without ``metrics``
     (tests), a :class:`ServerMetrics` reading ``registry`` and ``judge`` is made here; without
-    ``memory``, a :class:`ProcessMemory` that never trims."""
+    ``memory``, a :class:`ProcessMemory` that never trims; without ``drain_mode`` (owned by
+    ``serve``, whose task ends a drain), one whose drain only refuses new cohorts."""
     if metrics is None:
         metrics = ServerMetrics()
         metrics.read_from(registry, judge)
@@ -154,6 +157,10 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
     app.config["BODY_TIMEOUT"] = cfg.request_read_timeout_s
     started_wall = time.time()
     process_memory = memory if memory is not None else ProcessMemory.open()
+    if drain_mode is None:
+        drain_mode = DrainMode(drain_bound_s(cfg))
+        drain_mode.attach(registry)
+    mode = drain_mode
 
     @app.errorhandler(WireError)
     async def _wire_error(exc: WireError) -> Response:
@@ -200,6 +207,24 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
             return error_response(503, "the server is shutting down", "shutdown")
         return json_response({"status": "ready"})
 
+    # Drain (server/drain.py, README "Rolling restart"). Only with inbound auth: the fast path
+    # answers 403 when auth_token_env is not set.
+    @app.post("/admin/drain")
+    async def admin_drain() -> Response:
+        await request.get_data()
+        if not mode.request():
+            return error_response(409, "the server is shutting down: there is nothing left to "
+                                  "drain", "shutdown")
+        return json_response(mode.status())
+
+    @app.post("/admin/ready")
+    async def admin_ready() -> Response:
+        await request.get_data()
+        if not mode.take_back():
+            return error_response(409, "too late to take the drain back: the server is "
+                                  "shutting down", "shutdown")
+        return json_response(mode.status())
+
     @app.get("/reverify_mode")
     async def reverify_mode() -> Response:
         await request.get_data()
@@ -230,6 +255,7 @@ def create_app(cfg: Config, registry: CohortRegistry, judge: Judge,
         return json_response({
             "uptime_s": round(time.time() - started_wall, 3),
             "shutting_down": registry.shutting_down,
+            "drain": mode.status(),
             "cohorts": registry.snapshot(),
             "journal": registry.journal.status() if registry.journal is not None else None,
             "verdict_reuse": registry.verdict_status(),
@@ -622,7 +648,10 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
         if span.recording:
             scope = {**scope, TRACE_SCOPE_KEY: span}
         try:
-            if auth is not None and not auth.allows(path, scope["headers"]):
+            if auth is None and path.startswith(ADMIN_PREFIX):
+                await _drain_then_answer(cfg, scope, receive, shielded_send, 403,
+                                         wire.error_body(ADMIN_NEEDS_AUTH, "forbidden"), [])
+            elif auth is not None and not auth.allows(path, scope["headers"]):
                 # Never log what the client sent: it may be a near-miss of the real token.
                 refused.note({"path": path[:100]})
                 if metrics is not None:
@@ -647,6 +676,13 @@ def with_verify_fast_path(app: QuartTrio, cfg: Config, registry: CohortRegistry,
             span.end(shielded_send.status)
 
     return application
+
+
+ADMIN_PREFIX = "/admin/"
+ADMIN_NEEDS_AUTH = (
+    "the /admin routes need inbound auth: set auth_token_env (and send its bearer token); "
+    "without it, SIGUSR1 drains the server"
+)
 
 
 async def _not_found(cfg: Config, scope: Any, receive: Any, send: Any) -> None:

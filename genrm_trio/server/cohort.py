@@ -365,6 +365,16 @@ class CohortRegistry:
         self._watch_queued = trio.Event()
         self._watch_timer_scope: trio.CancelScope | None = None
         self._shutting_down = False
+        # Drain (README "Rolling restart"): new cohorts refused with 425 so that a proxy sends
+        # them elsewhere; the cohorts open here finish. `_idle` wakes wait_until_idle.
+        self._draining = False
+        self._idle = trio.Event()
+        # Rejoin (README "Rolling restart"): for rejoin_s after start no cohort opens here (425,
+        # the proxy sends the member on), and each group refused so is remembered, so that its
+        # later members and attempts follow it to the replica that opened it.
+        self._rejoin_until = (trio.current_time() + cfg.rejoin_s if cfg.rejoin_s > 0
+                              else None)
+        self._elsewhere: OrderedDict[object, float] = OrderedDict()
         self._warned_missing_attempt = False
         self.counters: Counter[str] = Counter()
         self._journal = journal
@@ -435,6 +445,76 @@ class CohortRegistry:
     @property
     def journal(self) -> Journal | None:
         return self._journal
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop opening cohorts: from now on a member that would open a new cohort (a group
+        this process holds no active cohort of) is refused with 425 ``draining``, which a proxy
+        retries on another replica before any client sees it; members of the cohorts open here,
+        replays and recorded failures are answered as before. Synchronous and idempotent; undone
+        by :meth:`end_drain`."""
+        if not self._draining:
+            self._draining = True
+            logger.info("drain: new cohorts refused (425 draining), %d open cohorts finish",
+                        len(self._active))
+
+    @property
+    def rejoining_s(self) -> float:
+        """Seconds left of the rejoin window (0 once it is over or when there is none)."""
+        if self._rejoin_until is None:
+            return 0.0
+        left = self._rejoin_until - trio.current_time()
+        if left <= 0:
+            self._rejoin_until = None
+            return 0.0
+        return left
+
+    @property
+    def groups_elsewhere(self) -> int:
+        """Groups remembered as open on another replica (refused here while rejoining)."""
+        return len(self._elsewhere)
+
+    def end_rejoin(self) -> None:
+        """End the rejoin window now (``POST /admin/ready``); the groups it refused stay
+        remembered (their cohorts are open elsewhere)."""
+        if self._rejoin_until is not None:
+            self._rejoin_until = None
+            logger.info("rejoin ended: new cohorts admitted (%d groups stay elsewhere)",
+                        len(self._elsewhere))
+
+    def end_drain(self) -> None:
+        """Open new cohorts again (``POST /admin/ready``). No effect once shutdown has begun."""
+        if self._draining and not self._shutting_down:
+            self._draining = False
+            logger.info("drain taken back: new cohorts admitted again")
+
+    def longest_open_deadline_s(self) -> float | None:
+        """Seconds until the last deadline of the active cohorts (a collecting cohort's is its
+        collection deadline plus a whole evaluation timeout; an evaluating one's, its
+        evaluation deadline): how long a drain can have to wait for them. None when none is
+        active. O(active cohorts); for /status while draining."""
+        if not self._active:
+            return None
+        cfg = self._cfg
+        now = trio.current_time()
+        ends = (
+            (cohort.opened_at + cfg.cohort_collection_timeout_s
+             if cohort.evaluating_at is None else cohort.evaluating_at)
+            + cfg.cohort_evaluation_timeout_s
+            for cohort in self._active.values()
+        )
+        return max(0.0, max(ends) - now)
+
+    async def wait_until_idle(self) -> None:
+        """Return once no cohort is active (at once if none is). Cancellable; wakes when the
+        last active cohort retires."""
+        while self._active:
+            if self._idle.is_set():
+                self._idle = trio.Event()
+            await self._idle.wait()
 
     async def verify(self, member: VerifyMember, span: RequestSpan = NO_REQUEST_SPAN) -> Outcome:
         """Admit one member and wait for its cohort's outcome.
@@ -612,6 +692,8 @@ class CohortRegistry:
         now = trio.current_time()
         self._prune(now)
         if self._shutting_down:
+            if self._draining:  # a drain's end: a proxy still sends it elsewhere
+                return self._refuse_draining()
             return Failure(503, "shutdown", "the server is shutting down")
         fields = member.fields()  # decoded again here; not kept (see VerifyMember)
         prompt_input = fields.responses_create_params.get("input")
@@ -706,7 +788,18 @@ class CohortRegistry:
                 "_ng_group_attempt",
             )
 
-        # A new cohort. Admission control first: a refusal changes no state.
+        # A new cohort. A draining process opens none, except a newer attempt of a group whose
+        # cohort it holds (that group is still this replica's). A refusal changes no state.
+        if self._draining and (group_id is None or group_id not in self._active_by_group):
+            return self._refuse_draining()
+        # A rejoining process (rejoin_s after start) opens none either: the group may be open on
+        # the replica that took this one's groups while it was away; so is a group it refused
+        # so before, for as long as that cohort can stay open there.
+        elsewhere = group_id if group_id is not None else key
+        if self.rejoining_s > 0 or self._open_elsewhere(elsewhere, now):
+            self._note_elsewhere(elsewhere, now)
+            return self._refuse_draining()
+        # Admission control first: a refusal changes no state.
         if cfg.max_active_cohorts is not None and len(self._active) >= cfg.max_active_cohorts:
             return _overloaded(f"max_active_cohorts ({cfg.max_active_cohorts}) reached")
         if self._over_budget():
@@ -801,6 +894,30 @@ class CohortRegistry:
         if self._unsent_bytes:
             detail += f" ({self._unsent_bytes} of them answers not yet taken by their clients)"
         return detail
+
+    def _open_elsewhere(self, group: object, now: float) -> bool:
+        expires = self._elsewhere.get(group)
+        if expires is None:
+            return False
+        if expires <= now:
+            del self._elsewhere[group]
+            return False
+        return True
+
+    def _note_elsewhere(self, group: object, now: float) -> None:
+        """Remember ``group`` as open on another replica for as long as a cohort can stay open
+        (collection plus evaluation timeouts from now); at most :data:`MAX_GROUPS_ELSEWHERE`,
+        the oldest forgotten first."""
+        cfg = self._cfg
+        self._elsewhere[group] = (now + cfg.cohort_collection_timeout_s
+                                  + cfg.cohort_evaluation_timeout_s)
+        self._elsewhere.move_to_end(group)
+        while len(self._elsewhere) > MAX_GROUPS_ELSEWHERE:
+            self._elsewhere.popitem(last=False)
+
+    def _refuse_draining(self) -> Failure:
+        self.counters["drain_refused"] += 1
+        return _draining_failure()
 
     def _advance_watermark(
         self, group_id: str, attempt: int, prompt_digest: str, now: float,
@@ -1226,6 +1343,8 @@ class CohortRegistry:
         key = cohort.key
         now = trio.current_time()
         del self._active[key]
+        if not self._active:
+            self._idle.set()
         self._crowd.cohorts = len(self._active)
         self._active_bytes -= cohort.size_bytes
         failure = cohort.failure
@@ -1371,8 +1490,21 @@ def _conflict(key: identity.CohortKey, slot: int, where: str) -> Failure:
     )
 
 
-_UNRECORDED = frozenset({"overloaded", "shutdown"})
+MAX_GROUPS_ELSEWHERE = 65536
+"""Groups a rejoining replica remembers as open on another replica (README "Rolling restart");
+past it the oldest is forgotten (its later members could then open a partial cohort here)."""
+
+_UNRECORDED = frozenset({"overloaded", "shutdown", "draining"})
 """Refusals at admission that no journaled state decided."""
+
+
+def _draining_failure() -> Failure:
+    return Failure(
+        425, "draining",
+        "this replica opens no new cohort now (it is draining, or rejoining after a restart: "
+        "this group may be open on another replica); send the request to another replica "
+        "(a proxy retries it there)",
+    )
 
 
 def _overloaded(why: str) -> Failure:

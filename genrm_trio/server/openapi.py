@@ -25,6 +25,7 @@ VERIFY_ERRORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "413": ("too_large",),
     "415": ("bad_request",),
     "422": ("bad_coordinates",),
+    "425": ("draining",),
     "429": ("overloaded",),
     "503": (
         "cohort_incomplete", "superseded", "shutdown", "evaluation_error", "cancelled",

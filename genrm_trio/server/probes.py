@@ -24,6 +24,12 @@ has its request.
       |                                   pending connection without yielding
       +-- a task per slow connection      wait for its request (bounded), answer, close
 
+HAProxy's agent check (``agent-check agent-port <probe_port> agent-send "agent\\n"``) is
+answered here too: a connection whose first bytes are the line ``agent`` gets one line of
+HAProxy's agent protocol (``up``, ``down`` once shutdown has begun, so HAProxy stops sending
+before the health check notices; README "Rolling restart") and is closed. It is not HTTP: an
+HTTP answer's status line would read to HAProxy as a weight.
+
 Served: ``GET``/``HEAD`` of ``/``, ``/health``, ``/healthz``, ``/livez`` (liveness: 200
 ``{"status": "ok"}`` while the event loop runs) and ``/readyz`` (200 ``{"status": "ready"}``,
 503 ``shutdown`` once shutdown has begun), the bodies of the main port. Any other path is a 404
@@ -69,6 +75,9 @@ _NOT_FOUND = ("not found: the probe port serves only GET /, /health, /healthz, /
               "/readyz")
 
 Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]
+#: What HAProxy's ``agent-send`` must send (the shipped configs/haproxy.cfg does).
+AGENT_REQUEST = b"agent\n"
+AgentLine = Callable[[], bytes]
 
 
 def probe_answer(method: bytes, target: bytes, ready: bool) -> Answer:
@@ -114,14 +123,15 @@ def bound_url(sock: socket.socket) -> str:
 
 
 async def serve_probes(sock: socket.socket, ready: Callable[[], bool], *,
-                       after: trio.Event | None = None,
+                       after: trio.Event | None = None, agent: AgentLine | None = None,
                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Answer probes on the listening ``sock`` until cancelled (``serve`` cancels its root
     nursery once Hypercorn has shut down), then close it and every connection. The socket is
     this task's from the call on, closed however it ends; ``nursery.start`` returns at once,
     and accepting begins once ``after`` is set (connections wait in the backlog until then).
     ``ready()`` says whether ``/readyz`` answers 200; it is called in the event loop, once per
-    readiness probe. Raises the ``OSError`` of an accept that failed for another reason than
+    readiness probe. ``agent()`` (None: no agent answers) is the line an agent check gets.
+    Raises the ``OSError`` of an accept that failed for another reason than
     capacity or a connection that went away."""
     waiting = trio.Semaphore(MAX_WAITING_PROBES)
     try:
@@ -134,7 +144,7 @@ async def serve_probes(sock: socket.socket, ready: Callable[[], bool], *,
                     await waiting.acquire()  # a slow probe must finish first
                     waiting.release()
                 await trio.lowlevel.wait_readable(sock)
-                paused = _accept_pending(sock, ready, waiting, nursery)
+                paused = _accept_pending(sock, ready, waiting, nursery, agent)
                 if paused:
                     logger.error("probe port: accept failed (out of file descriptors or "
                                  "memory): pausing %g s", _CAPACITY_PAUSE_S)
@@ -144,7 +154,7 @@ async def serve_probes(sock: socket.socket, ready: Callable[[], bool], *,
 
 
 def _accept_pending(sock: socket.socket, ready: Callable[[], bool], waiting: trio.Semaphore,
-                    nursery: trio.Nursery) -> bool:
+                    nursery: trio.Nursery, agent: AgentLine | None = None) -> bool:
     """Accept and answer every connection pending on ``sock``, without yielding; a connection
     whose request has not arrived whole goes to a task of its own. Returns True when accept
     ran out of capacity (the caller pauses)."""
@@ -161,22 +171,23 @@ def _accept_pending(sock: socket.socket, ready: Callable[[], bool], waiting: tri
             raise
         conn.setblocking(False)
         parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_PROBE_HEAD_BYTES)
-        if _answer_if_complete(conn, parser, ready):
+        if _answer_if_complete(conn, parser, ready, agent):
             conn.close()
         else:
             waiting.acquire_nowait()
-            nursery.start_soon(_answer_when_complete, conn, parser, ready, waiting)
+            nursery.start_soon(_answer_when_complete, conn, parser, ready, waiting, agent)
     return False
 
 
 async def _answer_when_complete(conn: socket.socket, parser: h11.Connection,
-                                ready: Callable[[], bool], waiting: trio.Semaphore) -> None:
+                                ready: Callable[[], bool], waiting: trio.Semaphore,
+                                agent: AgentLine | None = None) -> None:
     """A connection whose request is still to come: its own task and error boundary."""
     try:
         with trio.move_on_after(PROBE_CONNECTION_S):
             while True:
                 await trio.lowlevel.wait_readable(conn)
-                if _answer_if_complete(conn, parser, ready):
+                if _answer_if_complete(conn, parser, ready, agent):
                     break
     finally:
         waiting.release()
@@ -184,7 +195,7 @@ async def _answer_when_complete(conn: socket.socket, parser: h11.Connection,
 
 
 def _answer_if_complete(conn: socket.socket, parser: h11.Connection,
-                        ready: Callable[[], bool]) -> bool:
+                        ready: Callable[[], bool], agent: AgentLine | None = None) -> bool:
     """Read what ``conn`` has received; once the request head is whole, answer it. True when
     the connection is done with (answered, closed by the client, or failed)."""
     try:
@@ -195,6 +206,10 @@ def _answer_if_complete(conn: socket.socket, parser: h11.Connection,
                     data = conn.recv(MAX_PROBE_HEAD_BYTES)
                 except BlockingIOError:
                     return False
+                if (agent is not None and data.startswith(AGENT_REQUEST)
+                        and parser.their_state is h11.IDLE and not parser.trailing_data[0]):
+                    conn.send(agent())  # one short line: fits a fresh socket's buffer
+                    return True
                 parser.receive_data(data)
                 continue
             if not isinstance(event, h11.Request):
@@ -231,5 +246,5 @@ def _send_answer(conn: socket.socket, parser: h11.Connection, status: int, body:
         pass  # BlockingIOError included: the client gets a closed connection, not an answer
 
 
-__all__ = ["LIVENESS_PATHS", "READINESS_PATH", "bound_url", "open_probe_socket",
+__all__ = ["AGENT_REQUEST", "LIVENESS_PATHS", "READINESS_PATH", "bound_url", "open_probe_socket",
            "probe_answer", "serve_probes"]

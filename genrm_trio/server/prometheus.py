@@ -199,6 +199,16 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
                               value=snap["send_timeouts"])
     yield _gauge("genrm_shutting_down", "1 once shutdown has begun.",
                  1.0 if registry.shutting_down else 0.0)
+    yield _gauge("genrm_draining", "1 while draining: new cohorts refused with 425, the open "
+                 "ones finishing (README \"Rolling restart\").",
+                 1.0 if registry.draining else 0.0)
+    yield CounterMetricFamily("genrm_drain_refused", "Requests refused with 425 draining "
+                              "(they would have opened a new cohort), draining or rejoining.",
+                              value=registry.counters["drain_refused"])
+    yield _gauge("genrm_rejoining_seconds", "Seconds left of the rejoin window after a "
+                 "restart (rejoin_s): no cohort opens here meanwhile.", registry.rejoining_s)
+    yield _gauge("genrm_groups_elsewhere", "Groups refused while rejoining, remembered as open "
+                 "on another replica.", float(registry.groups_elsewhere))
     counters = registry.counters
     yield CounterMetricFamily("genrm_cohorts_opened", "Cohorts opened.",
                               value=counters["cohorts_opened"])

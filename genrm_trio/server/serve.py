@@ -34,12 +34,13 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from genrm_trio.config import Config, ResolvedConfig, format_bytes
+from genrm_trio.config import Config, ResolvedConfig, drain_bound_s, format_bytes
 from genrm_trio.errors import ConfigError
 from genrm_trio.server import connections, memory_limit
 from genrm_trio.server.app import create_app, with_verify_fast_path
 from genrm_trio.server.auth import OPEN_PATHS, BearerAuth, read_auth_token
 from genrm_trio.server.cohort import CohortRegistry
+from genrm_trio.server.drain import DrainMode
 from genrm_trio.server.journal import Journal
 from genrm_trio.server.judge import Judge, open_judge
 from genrm_trio.server.probes import bound_url, open_probe_socket, serve_probes
@@ -90,6 +91,7 @@ async def run_server(
     shutdown: trio.Event | None = None,
     deadline: ShutdownDeadline | None = None,
     tracer: Tracer | None = None,
+    drain_mode: DrainMode | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``cfg`` until ``shutdown`` is set (graceful) or this task is cancelled (abrupt).
@@ -103,9 +105,13 @@ async def run_server(
     ``auth_token_env`` names a variable that is not set, or ``tracing.enabled`` without the
     ``[otel]`` extra or with a span export process that cannot start. ``tracer`` (tests: one
     with an in-memory exporter) replaces the one ``tracing`` asks for; it is closed here
-    either way (its export process with it).
+    either way (its export process with it). ``drain_mode`` (``serve_main`` maps SIGUSR1 to
+    it; else one of this server's own, reached through ``POST /admin/drain``) drains the server:
+    new cohorts refused with 425, the open ones finished, then ``shutdown`` is set
+    (server/drain.py).
     """
     stop = shutdown if shutdown is not None else trio.Event()
+    mode = drain_mode if drain_mode is not None else DrainMode(drain_bound_s(cfg))
     drain = deadline if deadline is not None else ShutdownDeadline(cfg.shutdown_grace_s)
     cfg = memory_limit.resolved(cfg)
     token = read_auth_token(cfg, os.environ)
@@ -130,8 +136,9 @@ async def run_server(
             trio.open_nursery() as root,
         ):
             metrics.read_from(registry, judge, tracer)
+            root.start_soon(mode.run, registry, stop)
             await _serve_in(cfg, judge, registry, root, stop, drain, auth, metrics, tracer,
-                            task_status)
+                            mode, task_status)
     finally:
         if journal is not None:
             journal.close()
@@ -159,7 +166,7 @@ async def _journal_writer(journal: Journal | None, drain: ShutdownDeadline,
 async def _serve_in(
     cfg: ResolvedConfig, judge: Judge, registry: CohortRegistry, root: trio.Nursery,
     stop: trio.Event, drain: ShutdownDeadline, auth: BearerAuth | None, metrics: ServerMetrics,
-    tracer: Tracer, task_status: trio.TaskStatus[str],
+    tracer: Tracer, mode: DrainMode, task_status: trio.TaskStatus[str],
 ) -> None:
     """Start Hypercorn in ``root`` (the process-long nursery) in front of ``registry``, and
     the probe listener beside it when ``probe_port`` is set. The probe port is bound first,
@@ -179,10 +186,15 @@ async def _serve_in(
         # (probes meanwhile wait in its backlog). Liveness and readiness go on answering
         # through the shutdown grace (readiness 503), until Hypercorn is done and `root` is
         # cancelled.
+        def agent_line() -> bytes:  # HAProxy's agent check (server/probes.py)
+            # Never "drain": a draining replica stays on the ring (server/drain.py). Never
+            # "ready" either: it would cancel a DRAIN or MAINT an operator set in HAProxy.
+            return b"down\n" if registry.shutting_down else b"up\n"
+
         await root.start(partial(serve_probes, probe_socket, lambda: not registry.shutting_down,
-                                 after=main_serving))
+                                 after=main_serving, agent=agent_line))
     process_memory = ProcessMemory.open(cfg.malloc_trim_interval_s)
-    app = create_app(cfg, registry, judge, metrics, process_memory)
+    app = create_app(cfg, registry, judge, metrics, process_memory, mode)
 
     def begin_shutdown() -> None:
         drain.begin()
@@ -275,13 +287,18 @@ async def serve_main(cfg: Config) -> int | None:
     stop = trio.Event()
     received: list[int] = []
     drain = ShutdownDeadline(cfg.shutdown_grace_s)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    mode = DrainMode(drain_bound_s(cfg))
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as signals:
         async with trio.open_nursery() as outer:
             outer.start_soon(_exit_if_overrun, drain, received)
             async with trio.open_nursery() as server:
 
                 async def watch_signals() -> None:
                     async for signum in signals:
+                        if signum == signal.SIGUSR1:  # drain (server/drain.py); exits 0
+                            logger.info("SIGUSR1 received: draining")
+                            mode.request()
+                            continue
                         if stop.is_set():
                             drain.expire_now()
                             server.cancel_scope.cancel()
@@ -293,7 +310,8 @@ async def serve_main(cfg: Config) -> int | None:
 
                 outer.start_soon(watch_signals)
                 outer.start_soon(_cancel_after_cleanup, drain, server.cancel_scope)
-                url = await server.start(partial(run_server, cfg, shutdown=stop, deadline=drain))
+                url = await server.start(partial(run_server, cfg, shutdown=stop, deadline=drain,
+                                                 drain_mode=mode))
                 print(f"genrm-trio serve listening on {url}", flush=True)
                 # What exists now lives as long as the process: keep it out of the
                 # collector's full passes so they stay short under load.
