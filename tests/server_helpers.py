@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import h11
+import msgspec
 import trio
 
 from genrm_trio.config import Config
@@ -14,7 +15,9 @@ from genrm_trio.server.serve import run_server
 
 @asynccontextmanager
 async def running_server(cfg: Config) -> AsyncIterator[str]:
-    """Serve ``cfg`` on an ephemeral loopback port; graceful shutdown on exit."""
+    """Serve ``cfg`` on an ephemeral loopback port (whatever ``cfg.host``/``cfg.port`` say: the
+    default 8000 would collide with a parallel run); graceful shutdown on exit."""
+    cfg = msgspec.structs.replace(cfg, host="127.0.0.1", port=0)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         url: str = await nursery.start(
