@@ -90,7 +90,7 @@ def nemo(tmp_path_factory: pytest.TempPathFactory) -> NemoGym:
     venv = default_nemo_venv()
     gym = venv / "bin" / "gym"
     if not gym.exists():
-        pytest.skip(f"nemo-gym 0.7.0 is not installed in {venv} ($GENRM_TRIO_NEMO_VENV): "
+        pytest.skip(f"nemo-gym 0.7.0 is not installed in {venv} ($GENRM_NEMO_VENV): "
                     "see the README, 'Use it from NeMo Gym'")
     found = ensure_nemo_venv(venv)  # never installs here: the venv's python exists
     if isinstance(found, str):
@@ -412,7 +412,7 @@ def _collect_many(nemo: NemoGym, config: Path, tmp: Path, tasks: int,
 
 
 async def test_external_through_haproxy_during_a_rolling_restart(
-        nemo: NemoGym, mock_judge: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        nemo: NemoGym, mock_judge: str, tmp_path: Path) -> None:
     """NeMo Gym's own collector through HAProxy to two replicas, one of them drained,
     restarted on its state_dir and rejoined while the collection runs (README "Rolling
     restart"): every rollout rewarded, none masked, nothing in the failures file."""
@@ -425,8 +425,6 @@ async def test_external_through_haproxy_during_a_rolling_restart(
         ensure_haproxy()
     except Exception as exc:  # noqa: BLE001 - a missing program skips an opt-in test
         pytest.skip(f"haproxy: {exc}")
-    # Read by the nemo fixture already; `genrm-trio serve` would take it for a config key.
-    monkeypatch.delenv("GENRM_TRIO_NEMO_VENV", raising=False)
     policy = await trio.to_thread.run_sync(lambda: _start_ours(
         ["mock-policy", "--port", "0", "--set", "latency_distribution=uniform",
          "--set", "latency_mean_s=2.0", "--set", "latency_spread_s=2.0"],

@@ -15,7 +15,7 @@ so machine drift hits both; the summary reports medians per server and the per-p
       +-- write results.json, summary.md, *.png
 
 Processes are ours to end: SIGTERM, a grace period, then SIGKILL. NeMo Gym lives in its own
-venv (``~/.cache/genrm-trio/nemo-gym-0.7.0`` or ``$GENRM_TRIO_NEMO_VENV``), created on demand
+venv (``~/.cache/genrm-trio/nemo-gym-0.7.0`` or ``$GENRM_NEMO_VENV``), created on demand
 from a Python 3.13 under pyenv; without one its runs are skipped with a message.
 
 The parts, lowest first (each imports only those above it)::

@@ -88,7 +88,7 @@ def _default_out_dir() -> Path:
     "--nemo-venv",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="NeMo Gym venv (default $GENRM_TRIO_NEMO_VENV or ~/.cache/genrm-trio/...).",
+    help="NeMo Gym venv (default $GENRM_NEMO_VENV or ~/.cache/genrm-trio/...).",
 )
 def bench_cli(
     presets: tuple[str, ...],

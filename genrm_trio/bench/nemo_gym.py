@@ -17,8 +17,8 @@ NEMO_VERSION = "0.7.0"
 
 
 def default_nemo_venv() -> Path:
-    """Where NeMo Gym's venv lives: ``$GENRM_TRIO_NEMO_VENV`` or the cache folder."""
-    env = os.environ.get("GENRM_TRIO_NEMO_VENV")
+    """Where NeMo Gym's venv lives: ``$GENRM_NEMO_VENV`` or the cache folder."""
+    env = os.environ.get("GENRM_NEMO_VENV")
     if env:
         return Path(env)
     return Path.home() / ".cache" / "genrm-trio" / f"nemo-gym-{NEMO_VERSION}"
