@@ -1,4 +1,6 @@
-"""verifiers 0.4.0's own NeMo Gym task against ``genrm-trio serve`` (issue 30; opt-in: ``-m verifiers``).
+"""verifiers 0.4.0's own NeMo Gym task against ``genrm-trio serve`` (issue 30; opt-in).
+
+Marker ``verifiers``.
 
 Run: ``python3 -m pytest -m verifiers tests/test_verifiers.py`` (needs ``pip install
 verifiers==0.4.0``). What runs is verifiers' own code: ``NeMoGymTaskset.load()`` turns a JSONL
