@@ -57,7 +57,8 @@ def _answer(p: int, i: int) -> str:
     return f"Answer {i} to prompt {p}: " + "because of physics. " * (i + 1)
 
 
-def _tasks(tmp: Path, url: str, prompts: int) -> list[Any]:
+def _tasks(tmp: Path, url: str, prompts: int,
+           request_timeout: float = REQUEST_TIMEOUT_S) -> list[Any]:
     """verifiers' own tasks for ``prompts`` rows of a JSONL dataset, as its taskset loads them."""
     nemo_gym = _verifiers()
     dataset = tmp / "rows.jsonl"
@@ -66,7 +67,7 @@ def _tasks(tmp: Path, url: str, prompts: int) -> list[Any]:
         for p in range(prompts)]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = nemo_gym.NeMoGymConfig(dataset=dataset, task=nemo_gym.NeMoGymTaskConfig(
-        resources_url=url, request_timeout=REQUEST_TIMEOUT_S))
+        resources_url=url, request_timeout=request_timeout))
     tasks = list(nemo_gym.NeMoGymTaskset(config).load())
     assert [t.data.row for t in tasks] == rows
     return tasks
@@ -199,3 +200,35 @@ async def test_verifiers_group_with_a_cancelled_rollout_under_judge_present(
     assert traces[3].rewards == {} and "nemo_gym" not in traces[3].info  # never scored
     assert counters["genrm_cohorts_opened_total"] == 1, counters
     assert counters["genrm_cohorts_partial_total"] == 1, counters
+
+
+async def test_verifiers_128_rollouts_at_its_max_concurrent_bound_finish(tmp_path: Path) -> None:
+    """verifiers' bound (``--max-concurrent``, 128 episodes by default, scoring inside the
+    permit; every ``/verify`` on its own connection): 128 rollouts of 32 prompts wait at once,
+    interleaved (every prompt's first rollout first). A server that held fewer waiting
+    requests than that (a pool of handlers) would hold the first rollouts of every group and
+    none could complete: the ``fail_after`` (below the collection deadline and verifiers'
+    ``request_timeout``, both raised here so that a busy machine, where each of verifiers'
+    256 new ``httpx.AsyncClient`` costs tens of ms, cannot fail the test) says so."""
+    _verifiers()
+    prompts, per = 32, 4
+    settings = [f"num_rollouts_per_prompt={per}", "legacy_slots=arrival",
+                "cohort_collection_timeout_s=240", "cohort_evaluation_timeout_s=10"]
+    async with serve_process(settings, tmp_path / "serve.log") as server:
+        tasks = _tasks(tmp_path, server.url, prompts, request_timeout=300)
+        traces = [(p, _trace(tasks[p], _answer(p, i))) for i in range(per) for p in range(prompts)]
+
+        async def run() -> list[Any]:
+            return list(await asyncio.gather(*(_rollout(tasks[p], t, _no_wait)
+                                               for p, t in traces)))
+
+        with trio.fail_after(180):
+            await trio.to_thread.run_sync(asyncio.run, run())
+        counters = await _counters(server.host, server.port)
+
+    assert all(isinstance(_reward(t), float) for _, t in traces)
+    for p in range(prompts):
+        slots = sorted(t.info["nemo_gym"]["_ng_rollout_index"] for q, t in traces if q == p)
+        assert slots == list(range(per)), (p, slots)
+    assert counters["genrm_cohorts_opened_total"] == prompts, counters
+    assert counters["genrm_cohorts_completed_total"] == prompts, counters
