@@ -23,6 +23,7 @@ import trio.testing
 
 from genrm_trio.config import load_config
 from genrm_trio.integrations.client import (
+    DEFAULT_MAX_CONNECTIONS,
     Failed,
     GenRMClient,
     Masked,
@@ -440,3 +441,53 @@ async def test_a_thread_per_waiting_member_deadlocks_at_the_same_bound() -> None
         with trio.fail_after(30):
             statuses = await trio.to_thread.run_sync(blocking, url)
     assert statuses == [503] * 64  # cohort_incomplete, every member, not one reward
+
+
+class PooledCohorts(httpx2.AsyncBaseTransport):
+    """A connection pool of ``connections`` in front of a server that answers a group's members
+    only once all ``n`` of them are in (a cohort): a member holds its connection from its send to
+    its answer, and one beyond the pool waits for a free connection, as in httpx2's own pool.
+    ``most``: the most members in at once."""
+
+    def __init__(self, connections: int, n: int) -> None:
+        self.pool = trio.Semaphore(connections)
+        self.n = n
+        self.present: dict[str, set[int]] = {}
+        self.full: dict[str, trio.Event] = {}
+        self.inside = self.most = 0
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/status":
+            return httpx2.Response(200, json=STATUS_BODY)
+        async with self.pool:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            body = msgspec.json.decode(await request.aread())
+            group, slot = body["_ng_group_id"], body["_ng_rollout_index"]
+            self.present.setdefault(group, set()).add(slot)
+            full = self.full.setdefault(group, trio.Event())
+            if len(self.present[group]) == self.n:
+                full.set()
+            await full.wait()
+            self.inside -= 1
+        return httpx2.Response(200, json=ok_body(slot))
+
+
+async def test_512_members_at_the_default_bound_of_256_finish(
+        autojump_clock: trio.abc.Clock) -> None:
+    """The hooks' own bound (``DEFAULT_MAX_CONNECTIONS``, 256, what ``GenRMReward`` uses
+    unless told), with twice as many members waiting: 128 groups of 4, slot-major (every
+    group's slot 0 first). A client that sent every member to its pool at once would fill the
+    256 connections with slots 0 and 1 of all 128 groups and wait forever: the ``fail_after``
+    (autojump clock: below the 5 + 7 s of deadlines the client reads, plus its slack) says so
+    instead of a hang."""
+    assert DEFAULT_MAX_CONNECTIONS == 256
+    members = [m for g in range(128) for m in group_of(f"bound{g}")]
+    slot_major = sorted(members, key=lambda m: (m.slot, m.group_id))
+    pool = PooledCohorts(DEFAULT_MAX_CONNECTIONS, N)
+    async with GenRMClient("http://genrm", transport=pool) as client:
+        assert client.max_connections == DEFAULT_MAX_CONNECTIONS
+        with trio.fail_after(10):
+            outcomes = await client.verify_groups(slot_major)
+    assert outcomes == [Rewarded(1.5 + m.slot, ok_body(m.slot)) for m in slot_major]
+    assert pool.most == DEFAULT_MAX_CONNECTIONS  # the pool was full, and never over it
