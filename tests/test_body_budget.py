@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import h11
 import msgspec
 import trio
 
@@ -19,7 +20,7 @@ from genrm_trio.config import Config
 from genrm_trio.server.app import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES
 from genrm_trio.server.cohort import Failure
 from tests.lifecycle_helpers import ScriptedJudge, body, open_registry
-from tests.server_helpers import raw_http, running_server
+from tests.server_helpers import Answer, raw_http, read_answer, running_server
 
 
 async def test_reserve_body_refuses_past_the_budget_and_changes_no_state() -> None:
@@ -59,6 +60,23 @@ async def _until_open(url: str) -> None:
         if (await _cohorts(url))["active_cohorts"] >= 1:
             return
         await trio.sleep(0.02)
+
+
+async def _chunked_verify(url: str, payload: bytes) -> Answer | None:
+    """``POST /verify`` with ``payload`` sent chunked (no ``Content-Length``), 64 KiB a chunk,
+    whole before the answer is read; the answer (None: closed without one)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        await stream.send_all(conn.send(h11.Request(
+            method="POST", target="/verify",
+            headers=[("Host", host), ("Content-Type", "application/json"),
+                     ("Transfer-Encoding", "chunked")])))
+        for start in range(0, len(payload), 65536):
+            await stream.send_all(conn.send(h11.Data(data=payload[start:start + 65536])))
+        await stream.send_all(conn.send(h11.EndOfMessage()))
+        return await read_answer(stream, conn)
 
 
 def _verify(payload: bytes) -> tuple[str, str, bytes]:
@@ -108,8 +126,16 @@ async def test_a_large_body_past_the_budget_gets_429_before_it_is_read() -> None
             refused = await _cohorts(url)
             assert refused["active_cohorts"] == 1 and refused["body_refusals"] == 1
             assert refused["body_bytes"] == held["body_bytes"]  # released what it reserved
+            # Chunked: reserved as it arrives, refused once past the line, what it had
+            # reserved released.
+            chunked = await _chunked_verify(url, big_b)
+            assert chunked is not None and chunked[0] == 429, chunked
+            assert chunked[1]["connection"] == "close"
+            refused = await _cohorts(url)
+            assert refused["active_cohorts"] == 1 and refused["body_refusals"] == 2
+            assert refused["body_bytes"] == held["body_bytes"]
             (metrics,) = await raw_http(url, [("GET", "/metrics", b"")])
-            assert b"genrm_body_refusals_total 1.0" in metrics[2]
+            assert b"genrm_body_refusals_total 2.0" in metrics[2]
 
             # The open cohort completes; its member's reservation is released.
             (sibling,) = await raw_http(url, [_verify(msgspec.json.encode(body(1, group="a")))])
