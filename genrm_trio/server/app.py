@@ -336,7 +336,9 @@ class VerifyEndpoint:
 
     Why not a Quart route: this is the one hot path (every rollout passes here, and a waiter can
     sit here for the whole collection deadline); Quart's request context, werkzeug headers and
-    two helper tasks per request cost about a fifth of the server's CPU. Here: the body is read
+    two helper tasks per request cost about a fifth of the server's CPU. Here: the body's share
+    of ``max_active_bytes`` is reserved (:class:`_BodyReservation`; a large body past the budget
+    gets 429 before it is read), the body is read
     whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded (a big one
     in steps, :func:`run_stepped`, as its answer is built), handed to the registry, and the
     answer sent. While it waits, the handler's own task reads the connection
