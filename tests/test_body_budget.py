@@ -1,8 +1,8 @@
 """``/verify`` bodies count in ``max_active_bytes`` while they are read and processed (issue 26).
 
-A body reserves :data:`~genrm_trio.server.app.BODY_RESERVE_FACTOR` times its length before it
+A body reserves :data:`~genrm_trio.server.cohort.BODY_RESERVE_FACTOR` times its length before it
 is read (its ``Content-Length``) or as it arrives (chunked); a body past
-:data:`~genrm_trio.server.app.REFUSABLE_BODY_BYTES` whose reservation would pass the budget,
+:data:`~genrm_trio.server.cohort.REFUSABLE_BODY_BYTES` whose reservation would pass the budget,
 while another such body holds one, gets 429 ``overloaded`` (``Retry-After``) before it is read,
 changes no state, and its connection is closed once the rest of its body was discarded. The
 reservation is released when the answer is handed to the connection (or the request ends).
@@ -17,8 +17,7 @@ import msgspec
 import trio
 
 from genrm_trio.config import Config
-from genrm_trio.server.app import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES
-from genrm_trio.server.cohort import Failure
+from genrm_trio.server.cohort import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES, Failure
 from tests.lifecycle_helpers import ScriptedJudge, body, open_registry
 from tests.server_helpers import Answer, raw_http, read_answer, running_server
 

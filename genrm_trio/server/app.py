@@ -40,7 +40,14 @@ from genrm_trio.config import Config, config_summary
 from genrm_trio.errors import JudgeFailed, TooLarge, UnsupportedMediaType, WireError
 from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
-from genrm_trio.server.cohort import CohortRegistry, Failure, Outcome, Rewarded
+from genrm_trio.server.cohort import (
+    BODY_RESERVE_FACTOR,
+    REFUSABLE_BODY_BYTES,
+    CohortRegistry,
+    Failure,
+    Outcome,
+    Rewarded,
+)
 from genrm_trio.server.judge import Judge, JudgeRequest
 from genrm_trio.server.judge.h11_pool import MAX_IDLE_PER_ORIGIN
 from genrm_trio.server.process_memory import ProcessMemory
@@ -68,17 +75,6 @@ STEPPED_BYTES = 16 * 1024
 """A body (or an answer that holds one) of more than this many bytes is decoded, checked,
 weighed and encoded in steps, the event loop running other tasks between them
 (:func:`run_stepped`); a smaller one at once, in a few milliseconds at most."""
-
-BODY_RESERVE_FACTOR = 4
-"""A ``/verify`` body reserves this many times its length of ``max_active_bytes`` while it is
-read and processed (:meth:`CohortRegistry.reserve_body`): the body itself, its decoded member,
-and for its answer the body decoded again and encoded, all held at once while the answer is
-built. Released when the answer is handed to the connection, which counts its own bytes."""
-REFUSABLE_BODY_BYTES = 2**20
-"""A ``/verify`` body up to this size is counted in ``max_active_bytes`` as it is read but never
-refused for it (the registry's admission decides, as before): members of open cohorts, which
-are what frees the budget, keep getting in. A larger one is refused with 429 before it is read
-when its reservation would pass the budget."""
 
 _T = TypeVar("_T")
 

@@ -66,6 +66,17 @@ from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_re
 logger = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_AFTER_S = 1.0
+BODY_RESERVE_FACTOR = 4
+"""A ``/verify`` body reserves this many times its length of ``max_active_bytes`` while it is
+read and processed (:meth:`CohortRegistry.reserve_body`, called by server/app.py): the body
+itself, its decoded member, and for its answer the body decoded again and encoded, all held at
+once while the answer is built. Released when the answer is handed to the connection, which
+counts its own bytes."""
+REFUSABLE_BODY_BYTES = 2**20
+"""A ``/verify`` body up to this size is counted in ``max_active_bytes`` as it is read but never
+refused for it (the registry's admission decides, as before): members of open cohorts, which
+are what frees the budget, keep getting in. A larger one is refused with 429 before it is read
+when its reservation would pass the budget."""
 DISCONNECT_WATCH_AFTER_S = 0.5
 """How long after a cohort opened its waiting ``/verify`` members start to watch their
 connections: a client that hangs up is noticed (its waiter removed) once its cohort is this

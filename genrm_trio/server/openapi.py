@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from genrm_trio import wire
+from genrm_trio.server.cohort import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES
 
 _REF = "#/components/schemas/{name}"
 
@@ -74,8 +75,6 @@ def _verify_request_schema() -> dict[str, Any]:
 def bounds() -> dict[str, Any]:
     """The bounds every request body is held to (also in the README), for ``/openapi.json``'s
     ``x-bounds``: the ones JSON Schema cannot express on one field."""
-    from genrm_trio.server.app import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES
-
     return {
         "max_json_depth": wire.MAX_JSON_DEPTH,
         "integer_range": [wire.INT64_MIN, wire.INT64_MAX],
