@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -40,7 +40,14 @@ from genrm_trio.config import Config, config_summary, drain_bound_s
 from genrm_trio.errors import JudgeFailed, TooLarge, UnsupportedMediaType, WireError
 from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
-from genrm_trio.server.cohort import CohortRegistry, Failure, Outcome, Rewarded
+from genrm_trio.server.cohort import (
+    BODY_RESERVE_FACTOR,
+    REFUSABLE_BODY_BYTES,
+    CohortRegistry,
+    Failure,
+    Outcome,
+    Rewarded,
+)
 from genrm_trio.server.drain import DrainMode
 from genrm_trio.server.judge import Judge, JudgeRequest
 from genrm_trio.server.judge.h11_pool import MAX_IDLE_PER_ORIGIN
@@ -351,7 +358,9 @@ class VerifyEndpoint:
 
     Why not a Quart route: this is the one hot path (every rollout passes here, and a waiter can
     sit here for the whole collection deadline); Quart's request context, werkzeug headers and
-    two helper tasks per request cost about a fifth of the server's CPU. Here: the body is read
+    two helper tasks per request cost about a fifth of the server's CPU. Here: the body's share
+    of ``max_active_bytes`` is reserved (:class:`_BodyReservation`; a large body past the budget
+    gets 429 before it is read), the body is read
     whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded (a big one
     in steps, :func:`run_stepped`, as its answer is built), handed to the registry, and the
     answer sent. While it waits, the handler's own task reads the connection
@@ -379,36 +388,45 @@ class VerifyEndpoint:
         the member waits this is one coroutine frame above the registry's (thousands of members
         may wait at once: each frame costs a few hundred bytes per waiter, issue 21)."""
         started = trio.current_time()
-        member = await self._read_member(scope, receive, send, rollout_id)
-        detail = None
-        if isinstance(member, str):  # answered already, or the client left
-            label = member
-        elif self._cfg.num_rollouts_per_prompt <= 1:
-            span.member(member)
-            payload = await run_stepped(_encoded_success(member, self._cfg.default_score),
-                                        len(member.raw))
-            await _send_payload(send, 200, payload)
-            label = "rewarded"
-        else:
-            span.member(member)
-            outcome = await self._registry.verify_unless_gone(
-                member, partial(_until_disconnect, receive), span)
-            answer = (await run_stepped(verify_answer_steps(member, outcome), len(member.raw))
-                      if outcome is not None else None)
-            # The body is not held while its answer waits for a client that reads slowly:
-            # the answer alone counts towards max_active_bytes then (_ShieldedSend).
-            del member
-            label = await self._send_outcome(send, answer, outcome)
-            detail = outcome.detail if isinstance(outcome, Failure) else None
+        reservation = _BodyReservation(self._registry)
+        try:
+            member = await self._read_member(scope, receive, send, rollout_id, reservation)
+            detail = None
+            if isinstance(member, str):  # answered already, or the client left
+                label = member
+            elif self._cfg.num_rollouts_per_prompt <= 1:
+                span.member(member)
+                payload = await run_stepped(_encoded_success(member, self._cfg.default_score),
+                                            len(member.raw))
+                del member
+                reservation.release()
+                await _send_payload(send, 200, payload)
+                label = "rewarded"
+            else:
+                span.member(member)
+                outcome = await self._registry.verify_unless_gone(
+                    member, partial(_until_disconnect, receive), span)
+                answer = (await run_stepped(verify_answer_steps(member, outcome),
+                                            len(member.raw))
+                          if outcome is not None else None)
+                # The body is not held while its answer waits for a client that reads slowly:
+                # the answer alone counts towards max_active_bytes then (_ShieldedSend).
+                del member
+                reservation.release()
+                label = await self._send_outcome(send, answer, outcome)
+                detail = outcome.detail if isinstance(outcome, Failure) else None
+        finally:
+            reservation.release()
         span.outcome(label, label == "masked", detail)
         if self._metrics is not None:
             self._metrics.observe_verify(label, trio.current_time() - started)
 
-    async def _read_member(self, scope: Any, receive: Any, send: Any,
-                           rollout_id: str | None) -> wire.VerifyMember | str:
+    async def _read_member(self, scope: Any, receive: Any, send: Any, rollout_id: str | None,
+                           reservation: _BodyReservation) -> wire.VerifyMember | str:
         """The request's validated member, or the label of what happened instead once it has
-        been answered (or the client left)."""
-        raw = await self._read_body(scope, receive, send)
+        been answered (or the client left). Its body's bytes are reserved in ``reservation``
+        as they arrive (the caller releases them)."""
+        raw = await self._read_body(scope, receive, send, reservation)
         if isinstance(raw, str):
             return raw
         content_type = next(
@@ -443,23 +461,34 @@ class VerifyEndpoint:
             self._overloaded.note()
         return "masked" if outcome.masked else outcome.kind
 
-    async def _read_body(self, scope: Any, receive: Any, send: Any) -> bytes | str:
+    async def _read_body(self, scope: Any, receive: Any, send: Any,
+                         reservation: _BodyReservation) -> bytes | str:
         """The whole body, or the label of what happened instead once it has been answered
-        (``too_large``, ``request_timeout``) or the client left (``disconnected``). Reading is
-        bounded by ``request_read_timeout_s``: a client that trickles its body holds a handler
-        and its buffer no longer than that."""
+        (``too_large``, ``request_timeout``, ``overloaded``) or the client left
+        (``disconnected``). Reading is bounded by ``request_read_timeout_s``: a client that
+        trickles its body holds a handler and its buffer no longer than that. The body's
+        share of ``max_active_bytes`` is reserved before it is read (its ``Content-Length``)
+        or as it arrives (chunked); refused, the client gets 429 ``overloaded`` at once, the
+        rest of its body is discarded and the connection closed (:func:`answer_then_discard`)."""
         limit = self._cfg.max_request_bytes
         declared = _declared_length(scope)
         if declared is not None and declared > limit:
             await self._too_large(receive, send)
             return "too_large"
+        if declared is not None and not reservation.add(declared, declared):
+            await self._refuse_body(receive, send, reservation)
+            return "overloaded"
         with trio.move_on_after(self._cfg.request_read_timeout_s):
-            body = await read_body_within(receive, limit)
+            body = await read_body_within(
+                receive, limit, reservation.add if declared is None else None)
             if body is None:
                 return "disconnected"
             if body is TOO_LARGE:
                 await self._too_large(receive, send)
                 return "too_large"
+            if body is OVER_BUDGET:
+                await self._refuse_body(receive, send, reservation)
+                return "overloaded"
             assert isinstance(body, bytes)
             return body
         # The rest of the body stays unread, so the connection must not be reused.
@@ -471,9 +500,66 @@ class VerifyEndpoint:
     async def _too_large(self, receive: Any, send: Any) -> None:
         await answer_too_large(self._cfg, receive, send)
 
+    async def _refuse_body(self, receive: Any, send: Any,
+                           reservation: _BodyReservation) -> None:
+        """429 ``overloaded`` for a body whose reservation was refused; what it had reserved
+        is released before the rest of it is discarded."""
+        refusal = reservation.refusal
+        assert refusal is not None
+        reservation.release()
+        self._overloaded.note()
+        await answer_then_discard(
+            receive, send, refusal.status, wire.error_body(refusal.detail, refusal.kind),
+            [(b"retry-after", str(max(1, round(refusal.retry_after_s or 1))).encode())])
+
+
+class _BodyReservation:
+    """One ``/verify`` request's share of ``max_active_bytes`` for its body
+    (:data:`BODY_RESERVE_FACTOR` times the bytes read or declared), reserved from the registry
+    and released once (:meth:`release` is idempotent). A body counts as refusable from its
+    first reservation past :data:`REFUSABLE_BODY_BYTES` (its ``Content-Length``, or the
+    bytes that arrived so far). ``refusal``: the 429 of the last :meth:`add` that the
+    registry refused."""
+
+    __slots__ = ("_registry", "_small", "_large", "refusal")
+
+    def __init__(self, registry: CohortRegistry) -> None:
+        self._registry = registry
+        self._small = 0  # reserved as a small body (never refused)
+        self._large = 0  # reserved as a large one (refusable)
+        self.refusal: Failure | None = None
+
+    def add(self, size: int, total: int) -> bool:
+        """Reserve for ``size`` more body bytes (``total`` so far, these included); False
+        (nothing more reserved) when the registry refuses."""
+        share = BODY_RESERVE_FACTOR * size
+        if total <= REFUSABLE_BODY_BYTES:
+            self.refusal = self._registry.reserve_body(share, refusable=False)
+            assert self.refusal is None
+            self._small += share
+            return True
+        if self._large == 0 and self._small:  # the body grew past the line: one reservation
+            self._registry.release_body(self._small, refusable=False)
+            share, self._small = share + self._small, 0
+        self.refusal = self._registry.reserve_body(share, more=self._large > 0)
+        if self.refusal is not None:
+            return False
+        self._large += share
+        return True
+
+    def release(self) -> None:
+        if self._small:
+            self._registry.release_body(self._small, refusable=False)
+            self._small = 0
+        if self._large:
+            self._registry.release_body(self._large)
+            self._large = 0
+
 
 TOO_LARGE = object()
 """What :func:`read_body_within` returns for a body over its limit."""
+OVER_BUDGET = object()
+"""What :func:`read_body_within` returns for a body whose ``reserve`` refused its bytes."""
 
 
 async def answer_too_large(cfg: Config, receive: Any, send: Any) -> None:
@@ -511,10 +597,14 @@ async def answer_then_discard(receive: Any, send: Any, status: int, body: Any,
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def read_body_within(receive: Any, limit: int) -> bytes | object | None:
+async def read_body_within(
+    receive: Any, limit: int, reserve: Callable[[int, int], bool] | None = None,
+) -> bytes | object | None:
     """Read an ASGI request body: the bytes, :data:`TOO_LARGE` as soon as more than ``limit``
     bytes arrived (the rest is left unread: answer with ``Connection: close``), or None when the
-    client went away first. The caller bounds the time."""
+    client went away first. With ``reserve``, each chunk's size (and the total so far) is
+    passed to it first; once it returns False, :data:`OVER_BUDGET` (the rest left unread as
+    well). The caller bounds the time."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -525,6 +615,8 @@ async def read_body_within(receive: Any, limit: int) -> bytes | object | None:
         size += len(chunk)
         if size > limit:
             return TOO_LARGE
+        if reserve is not None and chunk and not reserve(len(chunk), size):
+            return OVER_BUDGET
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -66,6 +66,17 @@ from genrm_trio.wire import LEGACY_GUIDANCE, VerifyMember, bound_text, member_re
 logger = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_AFTER_S = 1.0
+BODY_RESERVE_FACTOR = 4
+"""A ``/verify`` body reserves this many times its length of ``max_active_bytes`` while it is
+read and processed (:meth:`CohortRegistry.reserve_body`, called by server/app.py): the body
+itself, its decoded member, and for its answer the body decoded again and encoded, all held at
+once while the answer is built. Released when the answer is handed to the connection, which
+counts its own bytes."""
+REFUSABLE_BODY_BYTES = 2**20
+"""A ``/verify`` body up to this size is counted in ``max_active_bytes`` as it is read but never
+refused for it (the registry's admission decides, as before): members of open cohorts, which
+are what frees the budget, keep getting in. A larger one is refused with 429 before it is read
+when its reservation would pass the budget."""
 DISCONNECT_WATCH_AFTER_S = 0.5
 """How long after a cohort opened its waiting ``/verify`` members start to watch their
 connections: a client that hangs up is noticed (its waiter removed) once its cohort is this
@@ -347,6 +358,10 @@ class CohortRegistry:
         # Bytes of answers handed to the connections and not yet taken by their clients
         # (answer_sending / answer_sent): the same budget as members (issue 26).
         self._unsent_bytes = 0
+        # Bytes reserved for /verify bodies being read and processed (reserve_body): the same
+        # budget again, so that a burst of large bodies cannot arrive at once (issue 26).
+        self._body_bytes = 0
+        self._refusable_bodies = 0  # reservations that reserve_body could have refused
         self._send_timeouts = RateLimitedNote(
             logger, "a client took none of its answer for send_timeout_s: connection reset",
             10.0)
@@ -597,6 +612,39 @@ class CohortRegistry:
     def answer_sent(self, size: int) -> None:
         self._unsent_bytes -= size
 
+    def reserve_body(self, size: int, *, refusable: bool = True,
+                     more: bool = False) -> Failure | None:
+        """Reserve ``size`` bytes of ``max_active_bytes`` for a request body about to be read
+        and processed (what it will hold: the body, its decoded member, its answer); None once
+        reserved, held until :meth:`release_body` with the same arguments. A 429
+        ``overloaded`` (counted, nothing reserved, no other state changed) when ``refusable``,
+        another refusable body holds a reservation already, and the bytes held (members,
+        waiting duplicates, unsent answers, reserved bodies) plus ``size`` would pass the
+        budget. The one exemption, a refusable body admitted while no other is reserved, keeps
+        a body larger than the whole budget servable (a member of an open cohort among them)
+        and guarantees progress; the process then passes the budget by at most that one
+        body's share. ``more``: more bytes of a body that holds a refusable reservation
+        already (chunked, as they arrive; released with it, in one :meth:`release_body`).
+        Synchronous."""
+        limit = self._max_active_bytes
+        if (refusable and limit is not None and self._refusable_bodies > int(more)
+                and self._held_bytes() + size > limit):
+            self.counters["body_refusals"] += 1
+            return _overloaded(
+                f"max_active_bytes ({limit}) reached: this body needs {size} bytes of it while "
+                f"it is read and processed, {self._held_bytes()} are held")
+        self._body_bytes += size
+        self._refusable_bodies += refusable and not more
+        return None
+
+    def release_body(self, size: int, *, refusable: bool = True) -> None:
+        self._body_bytes -= size
+        self._refusable_bodies -= refusable
+
+    def _held_bytes(self) -> int:
+        return (self._active_bytes + self._duplicate_bytes + self._unsent_bytes
+                + self._body_bytes)
+
     def send_timed_out(self) -> None:
         """A connection was reset because its client took nothing for ``send_timeout_s``
         (counted; logged at most once per 10 s). Synchronous."""
@@ -646,6 +694,8 @@ class CohortRegistry:
             "watermarks": len(self._watermarks),
             "active_bytes": self._active_bytes + self._duplicate_bytes,
             "unsent_answer_bytes": self._unsent_bytes,
+            "body_bytes": self._body_bytes,
+            "body_refusals": self.counters["body_refusals"],
             "send_timeouts": self.counters["send_timeouts"],
         }
 

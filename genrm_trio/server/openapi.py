@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from genrm_trio import wire
+from genrm_trio.server.cohort import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES
 
 _REF = "#/components/schemas/{name}"
 
@@ -88,6 +89,11 @@ def bounds() -> dict[str, Any]:
         f"number with an exponent {wire.EXPONENT_WEIGHT}: 413 too_large naming max_json_values",
         "max_compare_responses": "config max_compare_responses (default 128): 400",
         "request_read_timeout_s": "config request_read_timeout_s (default 60): 408",
+        "verify_body_budget": f"a /verify body reserves {BODY_RESERVE_FACTOR} times its length "
+        "of config max_active_bytes while it is read and processed; one over "
+        f"{REFUSABLE_BODY_BYTES} bytes whose reservation would pass it (another such body "
+        "reserved) gets 429 overloaded with Retry-After before it is read, the connection "
+        "closed",
         "send_timeout_s": "config send_timeout_s (default 60): a client that takes none of its "
         "answer for this long is disconnected",
         "duplicated_keys": "an interpreted top-level /verify key given twice: 400",

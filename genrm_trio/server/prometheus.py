@@ -194,6 +194,11 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
                  snap["active_bytes"])
     yield _gauge("genrm_unsent_answer_bytes", "Answer bytes not yet taken by their clients "
                  "(counted in max_active_bytes).", snap["unsent_answer_bytes"])
+    yield _gauge("genrm_body_bytes", "max_active_bytes reserved for /verify bodies being read "
+                 "and processed.", snap["body_bytes"])
+    yield CounterMetricFamily("genrm_body_refusals", "/verify bodies refused with 429 before "
+                              "they were read: their reservation would pass max_active_bytes.",
+                              value=snap["body_refusals"])
     yield CounterMetricFamily("genrm_send_timeouts", "Connections reset because their client "
                               "took none of an answer for send_timeout_s.",
                               value=snap["send_timeouts"])
