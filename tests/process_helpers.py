@@ -3,16 +3,17 @@ it over raw sockets, stop it by PID."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import h11
 import pytest
@@ -21,6 +22,27 @@ import trio
 from tests.server_helpers import read_answer
 
 REPO = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+ABANDON_GRACE_S = 10.0
+"""How long past its own deadline an asyncio run may take to unwind before the test stops
+waiting for its thread (:func:`run_asyncio`)."""
+
+
+async def run_asyncio(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """Run a trainer's asyncio code (``coro``) on a fresh asyncio loop in a worker thread,
+    bounded by ``timeout_s``: asyncio's own deadline cancels its tasks, so a deadlock ends the
+    test with ``TimeoutError`` at ``timeout_s`` and the thread finishes; should the asyncio
+    code not unwind, trio's deadline :data:`ABANDON_GRACE_S` later gives the thread up
+    (``abandon_on_cancel``) and fails the test with ``TooSlowError``, instead of waiting for
+    whatever deadline the server has."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    with trio.fail_after(timeout_s + ABANDON_GRACE_S):
+        return await trio.to_thread.run_sync(asyncio.run, bounded(), abandon_on_cancel=True)
 
 
 def raise_fd_limit(needed: int) -> None:

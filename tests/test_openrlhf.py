@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.process_helpers import serve_process
+from tests.process_helpers import run_asyncio, serve_process
 
 pytestmark = pytest.mark.openrlhf
 
@@ -142,7 +142,7 @@ async def test_openrlhf_per_sample_with_a_retry_and_a_legacy_batch(tmp_path: Pat
 
             return list(await asyncio.gather(*(one(p, i) for p in range(2) for i in range(4))))
 
-        results = await trio.to_thread.run_sync(asyncio.run, per_sample())
+        results = await run_asyncio(per_sample(), 120)
         assert proxy.cut == 1  # one try was cut at transport level, then re-sent
         rewards = [r[0]["rewards"] for r in results]
         assert len(rewards) == 8 and all(len(r) == 1 for r in rewards)
@@ -154,7 +154,7 @@ async def test_openrlhf_per_sample_with_a_retry_and_a_legacy_batch(tmp_path: Pat
             queries = [f"Batch {p}?" + _answer(p, i) for p in range(2) for i in range(4)]
             return list(await ex._fetch_rewards_via_http(queries, prompts, [None] * 8))
 
-        batch_answers = await trio.to_thread.run_sync(asyncio.run, batch())
+        batch_answers = await run_asyncio(batch(), 120)
         assert len(batch_answers) == 1 and len(batch_answers[0]["rewards"]) == 8
         nursery.cancel_scope.cancel()
     cohorts = _cohort_lines(log)
@@ -179,8 +179,8 @@ async def test_openrlhf_64_samples_at_once_finish(tmp_path: Path) -> None:
                      for i in range(8) for p in range(8)]  # interleaved: no group first
             return list(await asyncio.gather(*calls))
 
-        with trio.fail_after(120):
-            results = await trio.to_thread.run_sync(asyncio.run, run())
+        # Below the collection deadline: a deadlock fails here, not as masked rewards later.
+        results = await run_asyncio(run(), 60)
     assert len(results) == 64
     assert all(r[0]["extra_logs"]["genrm_masked"] == [0.0] for r in results)
     cohorts = _cohort_lines(log)

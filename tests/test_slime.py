@@ -34,7 +34,7 @@ import httpx2
 import pytest
 import trio
 
-from tests.process_helpers import serve_process
+from tests.process_helpers import run_asyncio, serve_process
 from tests.test_verl import mock_judge
 
 pytestmark = pytest.mark.slime
@@ -66,9 +66,10 @@ def groups(first: int, count: int) -> list[list[Sample]]:
             for g in range(first, first + count)]
 
 
-def slime_rollout(args: argparse.Namespace, batch: list[list[Sample]]) -> None:
-    """On a fresh asyncio loop (this thread's), every group at once: the group reward call of
-    ``generate_and_rm_group`` with ``--group-rm``, then the rewards zipped onto the samples."""
+async def slime_rollout(args: argparse.Namespace, batch: list[list[Sample]]) -> None:
+    """On a fresh asyncio loop in a worker thread (:func:`run_asyncio`, bounded), every group
+    at once: the group reward call of ``generate_and_rm_group`` with ``--group-rm``, then the
+    rewards zipped onto the samples."""
 
     async def group_reward(group: list[Sample]) -> None:
         module, _, name = args.custom_rm_path.rpartition(".")
@@ -80,7 +81,7 @@ def slime_rollout(args: argparse.Namespace, batch: list[list[Sample]]) -> None:
     async def rollout() -> None:
         await asyncio.gather(*(group_reward(g) for g in batch))
 
-    asyncio.run(rollout())
+    await run_asyncio(rollout(), 300)
 
 
 def logged_rewards(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -103,22 +104,19 @@ async def test_slimes_group_reward_call_gets_cohort_rewards(tmp_path: Path) -> N
                 n_samples_per_prompt=N, genrm_url=server.url, genrm_route="cohort",
                 rm_type=None, reward_key=None)
             batch = groups(0, 3)
-            with trio.fail_after(300):
-                await trio.to_thread.run_sync(slime_rollout, args, batch)
+            await slime_rollout(args, batch)
             # The default route, /compare, on the same groups: the same pairs, the same rewards.
             compared = groups(0, 3)
-            with trio.fail_after(300):
-                await trio.to_thread.run_sync(slime_rollout, argparse.Namespace(
-                    **{**vars(args), "genrm_route": "compare"}), compared)
+            await slime_rollout(argparse.Namespace(
+                **{**vars(args), "genrm_route": "compare"}), compared)
             async with httpx2.AsyncClient() as http:
                 answer = await http.post(judge + "/admin/fault",
                                          json={"fault": "garbage", "count": None})
                 assert answer.status_code == 200
             masked, masked_compared = groups(3, 1), groups(4, 1)
-            with trio.fail_after(300):
-                await trio.to_thread.run_sync(slime_rollout, args, masked)
-                await trio.to_thread.run_sync(slime_rollout, argparse.Namespace(
-                    **{**vars(args), "genrm_route": "compare"}), masked_compared)
+            await slime_rollout(args, masked)
+            await slime_rollout(argparse.Namespace(
+                **{**vars(args), "genrm_route": "compare"}), masked_compared)
             server_log = server.log_path.read_text()
         nursery.cancel_scope.cancel()
     lines = [json.loads(line) for line in server_log.splitlines() if '"event":"cohort"' in line]

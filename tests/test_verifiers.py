@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
-from tests.process_helpers import get_json, http_call, serve_process
+from tests.process_helpers import get_json, http_call, run_asyncio, serve_process
 
 INSTALL = "pip install verifiers==0.4.0"
 pytestmark = pytest.mark.verifiers
@@ -135,8 +134,7 @@ async def test_verifiers_two_prompts_by_four_rollouts_get_eight_rewards(tmp_path
             return list(await asyncio.gather(*(_rollout(tasks[p], t, _no_wait)
                                                for p, _, t in traces)))
 
-        with trio.fail_after(REQUEST_TIMEOUT_S):
-            await trio.to_thread.run_sync(asyncio.run, run())
+        await run_asyncio(run(), REQUEST_TIMEOUT_S)
         counters = await _counters(server.host, server.port)
         snapshot = (await get_json(server.host, server.port, "/status"))["cohorts"]
 
@@ -186,8 +184,8 @@ async def test_verifiers_group_with_a_cancelled_rollout_under_judge_present(
                 cancelled = False
             return list(await present), cancelled
 
-        with trio.fail_after(REQUEST_TIMEOUT_S - 10):  # long before verifiers' own timeout
-            _, cancelled = await trio.to_thread.run_sync(asyncio.run, run())
+        # long before verifiers' own timeout
+        _, cancelled = await run_asyncio(run(), REQUEST_TIMEOUT_S - 10)
         counters = await _counters(server.host, server.port)
 
     assert cancelled
@@ -222,8 +220,7 @@ async def test_verifiers_128_rollouts_at_its_max_concurrent_bound_finish(tmp_pat
             return list(await asyncio.gather(*(_rollout(tasks[p], t, _no_wait)
                                                for p, t in traces)))
 
-        with trio.fail_after(180):
-            await trio.to_thread.run_sync(asyncio.run, run())
+        await run_asyncio(run(), 180)
         counters = await _counters(server.host, server.port)
 
     assert all(isinstance(_reward(t), float) for _, t in traces)
