@@ -183,7 +183,8 @@ def test_counters_past_a_million_keep_full_precision() -> None:
         def snapshot(self) -> dict[str, int]:
             return {k: 0 for k in ("collecting", "evaluating", "waiters", "retained_records",
                                    "watermarks", "active_bytes", "unsent_answer_bytes",
-                                   "send_timeouts", "body_bytes", "body_refusals")}
+                                   "send_timeouts", "body_bytes", "body_refusals",
+                                   "bodies_waiting")}
 
         def verdict_status(self) -> dict[str, Any]:
             return {"mode": "off", "entries": 0, "cap": 0, "ttl_s": None}

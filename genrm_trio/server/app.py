@@ -42,6 +42,7 @@ from genrm_trio.logs import RateLimitedNote
 from genrm_trio.server.auth import UNAUTHORIZED_DETAIL, BearerAuth
 from genrm_trio.server.cohort import (
     BODY_RESERVE_FACTOR,
+    BODY_ROOM_WAIT_S,
     REFUSABLE_BODY_BYTES,
     CohortRegistry,
     Failure,
@@ -360,7 +361,7 @@ class VerifyEndpoint:
     sit here for the whole collection deadline); Quart's request context, werkzeug headers and
     two helper tasks per request cost about a fifth of the server's CPU. Here: the body's share
     of ``max_active_bytes`` is reserved (:class:`_BodyReservation`; a large body past the budget
-    gets 429 before it is read), the body is read
+    waits for room, then gets 429 before it is read), the body is read
     whole (or refused past ``max_request_bytes`` with ``Connection: close``), decoded (a big one
     in steps, :func:`run_stepped`, as its answer is built), handed to the registry, and the
     answer sent. While it waits, the handler's own task reads the connection
@@ -405,7 +406,7 @@ class VerifyEndpoint:
             else:
                 span.member(member)
                 outcome = await self._registry.verify_unless_gone(
-                    member, partial(_until_disconnect, receive), span)
+                    member, partial(_until_disconnect, receive), span, reservation.release)
                 answer = (await run_stepped(verify_answer_steps(member, outcome),
                                             len(member.raw))
                           if outcome is not None else None)
@@ -468,17 +469,22 @@ class VerifyEndpoint:
         (``disconnected``). Reading is bounded by ``request_read_timeout_s``: a client that
         trickles its body holds a handler and its buffer no longer than that. The body's
         share of ``max_active_bytes`` is reserved before it is read (its ``Content-Length``)
-        or as it arrives (chunked); refused, the client gets 429 ``overloaded`` at once, the
-        rest of its body is discarded and the connection closed (:func:`answer_then_discard`)."""
+        or as it arrives (chunked). A large body with no room waits for it, unread, up to
+        :data:`BODY_ROOM_WAIT_S` (chunked: not at all); refused, the client gets 429
+        ``overloaded``, the rest of its body is discarded and the connection closed
+        (:func:`answer_then_discard`). A member that waits in its cohort releases the
+        reservation there (its bytes are the cohort's from then on)."""
         limit = self._cfg.max_request_bytes
         declared = _declared_length(scope)
         if declared is not None and declared > limit:
             await self._too_large(receive, send)
             return "too_large"
-        if declared is not None and not reservation.add(declared, declared):
+        read_timeout = self._cfg.request_read_timeout_s
+        if declared is not None and not await reservation.add_declared(
+                declared, trio.current_time() + min(BODY_ROOM_WAIT_S, read_timeout)):
             await self._refuse_body(receive, send, reservation)
             return "overloaded"
-        with trio.move_on_after(self._cfg.request_read_timeout_s):
+        with trio.move_on_after(read_timeout):
             body = await read_body_within(
                 receive, limit, reservation.add if declared is None else None)
             if body is None:
@@ -545,6 +551,19 @@ class _BodyReservation:
         if self.refusal is not None:
             return False
         self._large += share
+        return True
+
+    async def add_declared(self, size: int, deadline: float) -> bool:
+        """Reserve for a whole body of ``size`` declared bytes; one over
+        :data:`REFUSABLE_BODY_BYTES` waits for room until ``deadline``
+        (:meth:`CohortRegistry.reserve_body_within`). False when refused."""
+        if size <= REFUSABLE_BODY_BYTES:
+            return self.add(size, size)
+        share = BODY_RESERVE_FACTOR * size
+        self.refusal = await self._registry.reserve_body_within(share, deadline)
+        if self.refusal is not None:
+            return False
+        self._large = share
         return True
 
     def release(self) -> None:

@@ -70,13 +70,17 @@ BODY_RESERVE_FACTOR = 4
 """A ``/verify`` body reserves this many times its length of ``max_active_bytes`` while it is
 read and processed (:meth:`CohortRegistry.reserve_body`, called by server/app.py): the body
 itself, its decoded member, and for its answer the body decoded again and encoded, all held at
-once while the answer is built. Released when the answer is handed to the connection, which
-counts its own bytes."""
+once while the answer is built. Released when the member waits in its cohort (whose bytes count
+then) or when the answer is handed to the connection, which counts its own bytes."""
 REFUSABLE_BODY_BYTES = 2**20
 """A ``/verify`` body up to this size is counted in ``max_active_bytes`` as it is read but never
 refused for it (the registry's admission decides, as before): members of open cohorts, which
-are what frees the budget, keep getting in. A larger one is refused with 429 before it is read
-when its reservation would pass the budget."""
+are what frees the budget, keep getting in. A larger one whose reservation would pass the
+budget waits, unread, for room (:data:`BODY_ROOM_WAIT_S`), then is refused with 429."""
+BODY_ROOM_WAIT_S = 5.0
+"""How long a ``/verify`` body over :data:`REFUSABLE_BODY_BYTES` waits, unread, for room in
+``max_active_bytes`` (:meth:`CohortRegistry.reserve_body_within`) before it is refused with
+429 (at most ``request_read_timeout_s``)."""
 DISCONNECT_WATCH_AFTER_S = 0.5
 """How long after a cohort opened its waiting ``/verify`` members start to watch their
 connections: a client that hangs up is noticed (its waiter removed) once its cohort is this
@@ -362,6 +366,10 @@ class CohortRegistry:
         # budget again, so that a burst of large bodies cannot arrive at once (issue 26).
         self._body_bytes = 0
         self._refusable_bodies = 0  # reservations that reserve_body could have refused
+        # Set (and dropped) when held bytes fall, for bodies waiting for room
+        # (reserve_body_within); None while nobody waits.
+        self._room: trio.Event | None = None
+        self._bodies_waiting = 0
         self._send_timeouts = RateLimitedNote(
             logger, "a client took none of its answer for send_timeout_s: connection reset",
             10.0)
@@ -545,7 +553,7 @@ class CohortRegistry:
 
     async def verify_unless_gone(
         self, member: VerifyMember, client_gone: Callable[[], Awaitable[object]] | None,
-        span: RequestSpan = NO_REQUEST_SPAN,
+        span: RequestSpan = NO_REQUEST_SPAN, on_wait: Callable[[], None] | None = None,
     ) -> Outcome | None:
         """:meth:`verify` for an HTTP handler: while the member waits, ``client_gone()`` runs in
         the handler's own task (it reads the connection until the client hangs up) and the
@@ -556,7 +564,9 @@ class CohortRegistry:
         joins it later), so a client that hangs up sooner is noticed then; waiters of a cohort
         that resolves sooner wake on its event alone. Without ``client_gone`` (None) it waits
         for the outcome alone. ``span``: the request's span (server/tracing.py), linked with
-        its cohort's.
+        its cohort's. ``on_wait``: called once the member waits in its cohort (it counts in the
+        registry's own accounting from then on: the HTTP handler releases its body's
+        reservation there, so a waiting member never holds room another body needs).
 
         One coroutine frame for the whole wait (no helpers awaited in between): with thousands
         of members waiting, each frame costs a few hundred bytes per waiter (issue 21)."""
@@ -570,6 +580,8 @@ class CohortRegistry:
             self.counters[_outcome_label(admitted)] += 1
             return admitted
         cohort, slot, duplicate = admitted
+        if on_wait is not None:
+            on_wait()
         joined = cohort.members[slot]  # its live waiters tell a retry from a sibling
         cohort.trace.joined(span, slot, duplicate)
         # A duplicate holds its own body while it waits: it counts towards max_active_bytes
@@ -601,6 +613,8 @@ class CohortRegistry:
             self._waiters -= 1
             self._duplicate_bytes -= held
             joined.waiters -= 1
+            if held:
+                self._room_freed()
         return self._outcome(cohort, slot)
 
     def answer_sending(self, size: int) -> None:
@@ -611,6 +625,14 @@ class CohortRegistry:
 
     def answer_sent(self, size: int) -> None:
         self._unsent_bytes -= size
+        self._room_freed()
+
+    def _room_freed(self) -> None:
+        """Held bytes fell: wake the bodies waiting for room (:meth:`reserve_body_within`)."""
+        room = self._room
+        if room is not None:
+            self._room = None
+            room.set()
 
     def reserve_body(self, size: int, *, refusable: bool = True,
                      more: bool = False) -> Failure | None:
@@ -626,20 +648,45 @@ class CohortRegistry:
         body's share. ``more``: more bytes of a body that holds a refusable reservation
         already (chunked, as they arrive; released with it, in one :meth:`release_body`).
         Synchronous."""
-        limit = self._max_active_bytes
-        if (refusable and limit is not None and self._refusable_bodies > int(more)
-                and self._held_bytes() + size > limit):
-            self.counters["body_refusals"] += 1
-            return _overloaded(
-                f"max_active_bytes ({limit}) reached: this body needs {size} bytes of it while "
-                f"it is read and processed, {self._held_bytes()} are held")
+        if not self._body_fits(size, refusable, more):
+            return self._body_refused(size)
         self._body_bytes += size
         self._refusable_bodies += refusable and not more
         return None
 
+    async def reserve_body_within(self, size: int, deadline: float) -> Failure | None:
+        """:meth:`reserve_body` of a refusable body's first reservation, waiting until
+        ``deadline`` for room (held bytes fall as other bodies are processed, answers are taken
+        and cohorts end) instead of refusing at once: a member of an open cohort that arrives
+        beside another large body gets in. The 429 once ``deadline`` passes with no room."""
+        while not self._body_fits(size, True, False):
+            if trio.current_time() >= deadline:
+                return self._body_refused(size)
+            if self._room is None:
+                self._room = trio.Event()
+            self._bodies_waiting += 1
+            try:
+                with trio.move_on_at(deadline):
+                    await self._room.wait()
+            finally:
+                self._bodies_waiting -= 1
+        return self.reserve_body(size)
+
+    def _body_fits(self, size: int, refusable: bool, more: bool) -> bool:
+        limit = self._max_active_bytes
+        return not (refusable and limit is not None and self._refusable_bodies > int(more)
+                    and self._held_bytes() + size > limit)
+
+    def _body_refused(self, size: int) -> Failure:
+        self.counters["body_refusals"] += 1
+        return _overloaded(
+            f"max_active_bytes ({self._max_active_bytes}) reached: this body needs {size} "
+            f"bytes of it while it is read and processed, {self._held_bytes()} are held")
+
     def release_body(self, size: int, *, refusable: bool = True) -> None:
         self._body_bytes -= size
         self._refusable_bodies -= refusable
+        self._room_freed()
 
     def _held_bytes(self) -> int:
         return (self._active_bytes + self._duplicate_bytes + self._unsent_bytes
@@ -695,6 +742,7 @@ class CohortRegistry:
             "active_bytes": self._active_bytes + self._duplicate_bytes,
             "unsent_answer_bytes": self._unsent_bytes,
             "body_bytes": self._body_bytes,
+            "bodies_waiting": self._bodies_waiting,
             "body_refusals": self.counters["body_refusals"],
             "send_timeouts": self.counters["send_timeouts"],
         }
@@ -1397,6 +1445,7 @@ class CohortRegistry:
             self._idle.set()
         self._crowd.cohorts = len(self._active)
         self._active_bytes -= cohort.size_bytes
+        self._room_freed()
         failure = cohort.failure
         # An arrival cohort's failure record knows its members' digests (in memory only: the
         # journal keeps none for a failure), so a re-send is told from a late member.

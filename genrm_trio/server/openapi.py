@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from genrm_trio import wire
-from genrm_trio.server.cohort import BODY_RESERVE_FACTOR, REFUSABLE_BODY_BYTES
+from genrm_trio.server.cohort import BODY_RESERVE_FACTOR, BODY_ROOM_WAIT_S, REFUSABLE_BODY_BYTES
 
 _REF = "#/components/schemas/{name}"
 
@@ -92,8 +92,10 @@ def bounds() -> dict[str, Any]:
         "verify_body_budget": f"a /verify body reserves {BODY_RESERVE_FACTOR} times its length "
         "of config max_active_bytes while it is read and processed; one over "
         f"{REFUSABLE_BODY_BYTES} bytes whose reservation would pass it (another such body "
-        "reserved) gets 429 overloaded with Retry-After before it is read, the connection "
-        "closed",
+        f"reserved) waits unread up to {BODY_ROOM_WAIT_S:g} s for room (at most "
+        "request_read_timeout_s), then gets 429 overloaded with Retry-After before it is "
+        "read, the connection closed (chunked: at once); released once the member waits in "
+        "its cohort or its answer is handed to the connection",
         "send_timeout_s": "config send_timeout_s (default 60): a client that takes none of its "
         "answer for this long is disconnected",
         "duplicated_keys": "an interpreted top-level /verify key given twice: 400",

@@ -196,6 +196,8 @@ def _registry_families(registry: CohortRegistry) -> Iterator[Metric]:
                  "(counted in max_active_bytes).", snap["unsent_answer_bytes"])
     yield _gauge("genrm_body_bytes", "max_active_bytes reserved for /verify bodies being read "
                  "and processed.", snap["body_bytes"])
+    yield _gauge("genrm_bodies_waiting", "/verify bodies over 1 MiB waiting, unread, for room "
+                 "in max_active_bytes.", snap["bodies_waiting"])
     yield CounterMetricFamily("genrm_body_refusals", "/verify bodies refused with 429 before "
                               "they were read: their reservation would pass max_active_bytes.",
                               value=snap["body_refusals"])
