@@ -658,15 +658,9 @@ class CohortRegistry:
         """:meth:`reserve_body` of a refusable body's first reservation, waiting until
         ``deadline`` for room (held bytes fall as other bodies are processed, answers are taken
         and cohorts end) instead of refusing at once: a member of an open cohort that arrives
-        beside another large body gets in. The 429 once ``deadline`` passes with no room, or
-        at once while unsent answers alone leave no room for it."""
+        beside another large body gets in. The 429 once ``deadline`` passes with no room."""
         while not self._body_fits(size, True, False):
-            limit = self._max_active_bytes
-            if (trio.current_time() >= deadline
-                    or (limit is not None and self._unsent_bytes + size > limit)):
-                # Answers that clients are slow to take hold the room: they free it at their
-                # clients' pace (or send_timeout_s), not soon; waiting would only hold more
-                # connections and their buffered bodies.
+            if trio.current_time() >= deadline:
                 return self._body_refused(size)
             if self._room is None:
                 self._room = trio.Event()
