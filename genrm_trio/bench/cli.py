@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import sys
+import tempfile
 from pathlib import Path
 
 import click
 import trio
 
+from genrm_trio.bench import sidebyside
 from genrm_trio.bench.cases import step
 from genrm_trio.bench.cases.economy import parse_economy_overrides
 from genrm_trio.bench.cases.soak import parse_soak_overrides
@@ -90,6 +92,36 @@ def _default_out_dir() -> Path:
     default=None,
     help="NeMo Gym venv (default $GENRM_NEMO_VENV or ~/.cache/genrm-trio/...).",
 )
+@click.option(
+    "--baseline",
+    default=None,
+    metavar="COMMIT",
+    help="Side by side instead of presets: this checkout and COMMIT (git archive under /tmp) "
+    "in alternating rounds, with the ratio (bench/README.md, the regression guard).",
+)
+@click.option(
+    "--arm",
+    "arm_specs",
+    multiple=True,
+    metavar="LABEL[:KEY=VALUE,...]",
+    help="Side by side: an arm of this checkout with these --set values (repeatable; the "
+    "first is the reference). Default: one arm 'current'.",
+)
+@click.option(
+    "--baseline-set",
+    "baseline_sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Side by side: a --set value for the --baseline server only (repeatable).",
+)
+@click.option(
+    "--side",
+    "side_items",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Side by side: the load (n, k, judge_ms, duration_s, rounds), mock=KEY=VALUE for the "
+    "mock judge, py_spy=DIR to sample each server with py-spy.",
+)
 def bench_cli(
     presets: tuple[str, ...],
     repeats: int,
@@ -100,6 +132,10 @@ def bench_cli(
     economy_overrides: tuple[str, ...],
     soak_items: tuple[str, ...],
     nemo_venv: Path | None,
+    baseline: str | None,
+    arm_specs: tuple[str, ...],
+    baseline_sets: tuple[str, ...],
+    side_items: tuple[str, ...],
 ) -> None:
     """Benchmark genrm-trio side by side with NeMo Gym's genrm_compare on this machine.
 
@@ -107,6 +143,9 @@ def bench_cli(
     Unknown preset: exit 2. A gating case (the soak) that failed a check or could not run: exit
     1 after the table.
     """
+    if baseline is not None or arm_specs:
+        _side_by_side(baseline, arm_specs, baseline_sets, side_items, out_dir)
+        return
     for p in presets:
         if p != "all" and p not in PRESETS:
             raise click.BadParameter(f"unknown preset {p!r}", param_hint="--preset")
@@ -151,3 +190,30 @@ def bench_cli(
 
 if __name__ == "__main__":
     bench_cli()
+
+
+def _side_by_side(baseline: str | None, arm_specs: tuple[str, ...],
+                  baseline_sets: tuple[str, ...], side_items: tuple[str, ...],
+                  out_dir: Path | None) -> None:
+    """``--baseline`` / ``--arm``: :mod:`genrm_trio.bench.sidebyside`."""
+    try:
+        arms = [sidebyside.parse_arm(a) for a in arm_specs] or [sidebyside.Arm("current")]
+        cfg = sidebyside.parse_side(side_items)
+        extra = sidebyside.parse_sets(baseline_sets)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--arm/--side/--baseline-set") from None
+    if baseline is not None:
+        repo = Path(__file__).resolve().parents[2]
+        try:
+            code = sidebyside.export_commit(repo, baseline, Path(tempfile.gettempdir()))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--baseline") from None
+        arms.append(sidebyside.Arm(f"baseline-{baseline[:12]}", code, extra))
+    out = (out_dir or _default_out_dir()) / "side_by_side"
+    results = trio.run(functools.partial(
+        sidebyside.run_side_by_side, arms, cfg, out / "logs",
+        echo=lambda s: click.echo(s, err=True)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_bytes(sidebyside.to_json(results, cfg))
+    click.echo(sidebyside.render(results, cfg))
+    click.echo(f"results in {out}", err=True)
