@@ -14,6 +14,7 @@ from genrm_trio.bench import sidebyside
 from genrm_trio.bench.cases import step
 from genrm_trio.bench.cases.economy import parse_economy_overrides
 from genrm_trio.bench.cases.soak import parse_soak_overrides
+from genrm_trio.bench.nemo_gym import NEMO_VERSION, ensure_nemo_venv
 from genrm_trio.bench.presets import PRESETS
 from genrm_trio.bench.records import KINDS
 from genrm_trio.bench.report import render_markdown
@@ -120,7 +121,7 @@ def _default_out_dir() -> Path:
     multiple=True,
     metavar="KEY=VALUE",
     help="Side by side: the load (n, k, judge_ms, duration_s, rounds), mock=KEY=VALUE for the "
-    "mock judge, py_spy=DIR to sample each server with py-spy.",
+    "mock judge, py_spy=DIR to sample each server with py-spy, nemo=VENV for a NeMo Gym arm.",
 )
 def bench_cli(
     presets: tuple[str, ...],
@@ -188,10 +189,6 @@ def bench_cli(
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    bench_cli()
-
-
 def _side_by_side(baseline: str | None, arm_specs: tuple[str, ...],
                   baseline_sets: tuple[str, ...], side_items: tuple[str, ...],
                   out_dir: Path | None) -> None:
@@ -209,6 +206,11 @@ def _side_by_side(baseline: str | None, arm_specs: tuple[str, ...],
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--baseline") from None
         arms.append(sidebyside.Arm(f"baseline-{baseline[:12]}", code, extra))
+    if cfg.nemo is not None:
+        found = ensure_nemo_venv(cfg.nemo)
+        if isinstance(found, str):
+            raise click.BadParameter(found, param_hint="--side nemo")
+        arms.append(sidebyside.Arm(f"nemo-gym-{NEMO_VERSION}", nemo=found))
     out = (out_dir or _default_out_dir()) / "side_by_side"
     results = trio.run(functools.partial(
         sidebyside.run_side_by_side, arms, cfg, out / "logs",
@@ -217,3 +219,7 @@ def _side_by_side(baseline: str | None, arm_specs: tuple[str, ...],
     (out / "results.json").write_bytes(sidebyside.to_json(results, cfg))
     click.echo(sidebyside.render(results, cfg))
     click.echo(f"results in {out}", err=True)
+
+
+if __name__ == "__main__":
+    bench_cli()

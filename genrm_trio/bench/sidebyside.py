@@ -13,6 +13,9 @@ values are its own (an old commit may not know a newer key).
 
 ``py_spy``: a folder; each arm's server is then sampled by ``py-spy record`` (raw folded
 stacks, ``<label>.txt``) during its rounds after the first.
+
+``nemo``: NeMo Gym's venv; its ``genrm_compare`` then runs as one more arm against the same
+mock judge (:mod:`genrm_trio.bench.nemo_gym`; its ``--set`` values do not apply).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import trio
 
 from genrm_trio.bench import loadgen
 from genrm_trio.bench.loadgen import BodyFactory, H11Client, LoadPlan, median, percentile
-from genrm_trio.bench.processes import Proc, launch_process
+from genrm_trio.bench.nemo_gym import nemo_config
+from genrm_trio.bench.processes import Proc, free_port, launch_process
+from genrm_trio.bench.records import ServerSettings
 from genrm_trio.bench.rig import READY_MOCK, READY_OURS
 
 #: Metrics per round and arm, in table order.
@@ -46,11 +51,13 @@ METRICS = ("verifies_per_s", "cpu_ms_per_cohort", "p50_ms", "p99_ms", "failed_me
 @dataclass(frozen=True)
 class Arm:
     """One server under test: ``label``, where its code is (``None``: this checkout, as
-    installed or on ``PYTHONPATH``), and its ``--set`` values."""
+    installed or on ``PYTHONPATH``), and its ``--set`` values; or, with ``nemo`` (its
+    ``genrm_compare`` folder), NeMo Gym's server."""
 
     label: str
     code: Path | None = None
     sets: tuple[tuple[str, str], ...] = ()
+    nemo: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class SideBySide:
     rounds: int = 3
     mock_sets: tuple[tuple[str, str], ...] = ()
     py_spy: Path | None = None
+    nemo: Path | None = None
 
     def __post_init__(self) -> None:
         if not 2 <= self.n <= 256:
@@ -151,6 +159,22 @@ def serve_command(arm: Arm, judge_url: str, n: int) -> list[str]:
     return cmd
 
 
+def _launch(arm: Arm, judge_url: str, n: int, logs: Path) -> Any:
+    """The process context of one arm (ours, or NeMo Gym's app.py in its venv)."""
+    if arm.nemo is None:
+        return launch_process(serve_command(arm, judge_url, n), log_path=logs / f"{arm.label}.log",
+                              ready_prefix=READY_OURS, env=arm_env(arm))
+    port = free_port()
+    env = dict(os.environ)
+    env["NEMO_GYM_CONFIG_DICT"] = nemo_config(port, judge_url, ServerSettings(n=n))
+    env["NEMO_GYM_CONFIG_PATH"] = "genrm_compare_bench"
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)
+    python = str(arm.nemo.parents[4] / "bin" / "python")
+    return launch_process([python, "app.py"], log_path=logs / f"{arm.label}.log",
+                          base_url=f"http://127.0.0.1:{port}", env=env, cwd=str(arm.nemo))
+
+
 def arm_env(arm: Arm) -> dict[str, str]:
     env = dict(os.environ)
     if arm.code is not None:
@@ -212,9 +236,7 @@ async def run_side_by_side(arms: Sequence[Arm], cfg: SideBySide, logs: Path,
             mock, log_path=logs / "judge.log", ready_prefix=READY_MOCK))
         servers: list[tuple[Proc, H11Client]] = []
         for arm in arms:
-            proc = await stack.enter_async_context(launch_process(
-                serve_command(arm, judge.base_url, cfg.n), log_path=logs / f"{arm.label}.log",
-                ready_prefix=READY_OURS, env=arm_env(arm)))
+            proc = await stack.enter_async_context(_launch(arm, judge.base_url, cfg.n, logs))
             host, port = proc.host_port
             client = H11Client(host, port)
             stack.push_async_callback(client.aclose)
@@ -265,6 +287,7 @@ def to_json(results: Sequence[ArmResult], cfg: SideBySide) -> bytes:
         "load": {"n": cfg.n, "k": cfg.k, "judge_ms": cfg.judge_ms, "duration_s": cfg.duration_s,
                  "rounds": cfg.rounds},
         "arms": [{"label": r.arm.label, "code": str(r.arm.code) if r.arm.code else None,
+                  "nemo": str(r.arm.nemo) if r.arm.nemo else None,
                   "sets": dict(r.arm.sets), "rounds": r.rounds,
                   "median": {m: r.median(m) for m in METRICS}} for r in results],
     }
@@ -273,7 +296,8 @@ def to_json(results: Sequence[ArmResult], cfg: SideBySide) -> bytes:
 
 def parse_side(items: Sequence[str]) -> SideBySide:
     """``--side`` items: ``n``, ``k``, ``judge_ms``, ``duration_s``, ``rounds``,
-    ``mock=KEY=VALUE`` (repeatable), ``py_spy=DIR``. Raises ValueError naming the item. Pure."""
+    ``mock=KEY=VALUE`` (repeatable), ``py_spy=DIR``, ``nemo=VENV``. Raises ValueError naming
+    the item. Pure."""
     kw: dict[str, Any] = {}
     mock: list[str] = []
     for key, value in parse_sets(items):
@@ -284,7 +308,7 @@ def parse_side(items: Sequence[str]) -> SideBySide:
                 kw[key] = float(value)
             elif key == "mock":
                 mock.append(value)
-            elif key == "py_spy":
+            elif key in ("py_spy", "nemo"):
                 kw[key] = Path(value)
             else:
                 raise ValueError(f"unknown --side key {key!r}")
