@@ -8,7 +8,8 @@ closed-loop load (K cohorts of N in flight for ``duration_s``) through every arm
 order rotating per round so no arm always goes first. Per round and arm: verifies/s, server CPU
 per cohort (``/proc`` of the server's pid), cohort p50/p99 (last send to last answer). An
 earlier commit runs from a ``git archive`` of it unpacked under /tmp (read-only on the
-repository: no worktree is registered), with ``PYTHONPATH`` pointing there; its ``--set``
+repository: no worktree is registered), with ``PYTHONPATH`` pointing there and started
+there (``python -m`` puts the working directory first on sys.path); its ``--set``
 values are its own (an old commit may not know a newer key).
 
 ``py_spy``: a folder; each arm's server is then sampled by ``py-spy record`` (raw folded
@@ -162,8 +163,11 @@ def serve_command(arm: Arm, judge_url: str, n: int) -> list[str]:
 def _launch(arm: Arm, judge_url: str, n: int, logs: Path) -> Any:
     """The process context of one arm (ours, or NeMo Gym's app.py in its venv)."""
     if arm.nemo is None:
+        # In the arm's folder: ``python -m`` puts the working directory first on sys.path, so
+        # started from a checkout an earlier commit's arm would import the checkout's code.
         return launch_process(serve_command(arm, judge_url, n), log_path=logs / f"{arm.label}.log",
-                              ready_prefix=READY_OURS, env=arm_env(arm))
+                              ready_prefix=READY_OURS, env=arm_env(arm),
+                              cwd=None if arm.code is None else str(arm.code))
     port = free_port()
     env = dict(os.environ)
     env["NEMO_GYM_CONFIG_DICT"] = nemo_config(port, judge_url, ServerSettings(n=n))
