@@ -34,7 +34,7 @@ def _cells(table: str, label: str) -> list[str]:
 def test_the_table_gives_each_arm_its_medians_and_its_ratio_to_the_first_arm() -> None:
     ref = ArmResult(Arm("ref"), [_row(100, 10), _row(300, 30), _row(200, 20)])
     # a round that measured nothing (NaN) is left out of the median, not counted as zero
-    other = ArmResult(Arm("other"), [_row(150, 40), _row(150, 40), _row(math.nan, math.nan)])
+    other = ArmResult(Arm("other"), [_row(100, 40), _row(200, 40), _row(math.nan, math.nan)])
     table = sidebyside.render([ref, other], SideBySide(rounds=3))
     assert _cells(table, "ref")[1:3] == ["200", "1.000"]
     assert _cells(table, "ref")[5:7] == ["20.0", "1.000"]
