@@ -206,6 +206,7 @@ class HttpBackend:
                     "output_tokens": e.output_tokens,
                     "cached_tokens": e.cached_tokens,
                     "outstanding_tokens": e.outstanding_tokens,
+                    "prefix_waits": self._endpoints.affinity and self._endpoints.prefix_waits(e),
                 }
                 for e in self._endpoints.all
             ],
