@@ -68,12 +68,16 @@ def test_an_unknown_baseline_commit_is_a_usage_error() -> None:
     assert "unknown commit" in result.output
 
 
+def _head() -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
 async def test_a_short_run_against_head_measures_both_arms_and_prints_their_ratio(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     code = sidebyside.export_commit(REPO, "HEAD", tmp_path)
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = _head()
     assert code.name == f"genrm-baseline-{head[:12]}"
     assert (code / "genrm_trio" / "bench" / "sidebyside.py").is_file()
     assert sidebyside.export_commit(REPO, "HEAD", tmp_path) == code  # unpacked once

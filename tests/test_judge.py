@@ -988,7 +988,6 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                     "cached_tokens": 0,
                     "outstanding_tokens": 0,
                     "prefix_waits": False,
-        "prefix_waits": False,
                 }
                 for u in (URL_A, URL_B)
             ],

@@ -218,8 +218,9 @@ def pair(group: int, i: int, j: int) -> JudgeRequest:
     # an engine that shares a prefix between the calls it runs: waiting would only add a
     # round trip, so every call goes at once however crowded
     ("vllm", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
+    # unknown / sglang, and nothing yet shows it does not share (these fakes report no cached
+    # tokens)
     ("sglang", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
-    # unknown, and nothing yet shows it does not share (these fakes report no cached tokens)
     ("unknown", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
 ])
 async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_other_calls_go(
@@ -278,12 +279,14 @@ class CachingEndpoints(Endpoints):
     # shares (its concurrent calls find the conversation cached): never waits
     (True, [0.0, 0.0, 0.0, 0.0, 0.0]),
 ])
+@pytest.mark.parametrize("engine", ["unknown", "sglang"])  # sglang: as its --schedule-policy
 async def test_unknown_engine_waits_only_once_its_cached_tokens_show_concurrent_calls_do_not_share(
-    autojump_clock: trio.testing.MockClock, shared: bool, later: list[float],
+    autojump_clock: trio.testing.MockClock, shared: bool, later: list[float], engine: str,
 ) -> None:
     fakes = CachingEndpoints(shared)
-    # One endpoint (its evidence is its own), judge.engine: unknown (the default)
-    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity"),
+    # One endpoint (its evidence is its own)
+    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
+                                      engine=engine),  # type: ignore[arg-type]
                     genrm_parse_retry_sleep_s=0.0)
     pairs = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))
     shared_crowd = crowd(4)

@@ -97,13 +97,13 @@ async def run_cohort(cfg: Config, judge: Any) -> list[float]:
 
 @pytest.mark.parametrize(("engine", "warm_up"), [
     ("llama_cpp", True),
-    # an engine that shares prefixes between the calls it runs: a warm-up only adds a round
-    # trip; unknown: nothing has shown that concurrent calls do not share (the in-process
-    # judge reports no cached tokens)
+    # an engine that shares prefixes between the calls it runs (vllm): a warm-up only adds a
+    # round trip; sglang / unknown: nothing has shown that concurrent calls do not share (the
+    # in-process judge reports no cached tokens)
     ("vllm", False), ("sglang", False), ("unknown", False),
     # unknown once an endpoint's cached tokens showed concurrent calls do not share a prefix
     # (judge/endpoints.py sets the registry's Crowd.waits then): the warm-up, as llama_cpp
-    ("unknown, shown not to share", True),
+    ("unknown, shown not to share", True), ("sglang, shown not to share", True),
 ])
 @pytest.mark.parametrize("schedule", ["wait_for_all", "eager"])
 async def test_with_two_cohorts_per_judge_affinity_sends_one_warm_up_call_then_the_rest(

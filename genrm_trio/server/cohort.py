@@ -397,11 +397,11 @@ class CohortRegistry:
         self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
         # One warm-up judge call per cohort before the rest (_start_ready_pairs).
         # (Only for judge endpoints: the built-in judge and plugins have no prefix cache here.)
-        # Not on an engine that shares prefixes between concurrent calls (judge.engine), and
-        # with judge.engine: unknown only once an endpoint has shown it does not (Crowd.waits).
+        # Not on an engine that shares prefixes between concurrent calls (judge.engine: vllm),
+        # and with unknown / sglang only once an endpoint has shown it does not (Crowd.waits).
         self._warm_up = (cfg.judge.routing == "cohort_affinity" and bool(cfg.judge.base_urls)
                          and cfg.judge.max_concurrency_per_endpoint is None
-                         and cfg.judge.engine in ("unknown", "llama_cpp"))
+                         and cfg.judge.engine != "vllm")
         self._crowded_at = 2 * len(cfg.judge.base_urls)  # as judge/endpoints.py's crowd
         if journal is not None:
             self._reload(journal)

@@ -342,6 +342,11 @@ async def _one_arm(ctx: BenchContext, params: EconomyParams, strategy: str, k: i
         results = [CohortResult(c, tuple(answers[c, i] for i in range(params.n)))
                    for c in range(k)]
         stats = await _judge_stats(judge_clients)
+        # Endpoints where cohort_affinity makes its prefix waits now (judge.engine: unknown
+        # learns it during the step from the judges' cached tokens)
+        status = msgspec.json.decode((await client.get("/status")).body)
+        metrics["prefix_waits_endpoints"] = float(sum(
+            bool(e.get("prefix_waits")) for e in status["judge"]["endpoints"]))
         seen: set[bytes] = set()
         minimum, total = analytic_minimum(bodies, k, params.n, strategy, seen)
         computed = sum(s.computed_tokens for s in stats)

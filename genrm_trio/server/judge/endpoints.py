@@ -46,10 +46,12 @@ hint, never a correctness matter (rewards never depend on issue order).
 
 Such a *prefix wait* (this duplicate wait, and the registry's warm-up call, server/cohort.py)
 saves work only on an engine whose concurrent calls do not share a prefix (llama.cpp's slots);
-on one that shares it (vLLM registers a block when it schedules it, SGLang's scheduler holds
-back in-batch duplicates itself) or has no prefix cache it only adds a judge round trip.
-``judge.engine`` chooses: ``llama_cpp`` waits, ``vllm`` and ``sglang`` never do, ``unknown``
-(the default) waits on an endpoint only once its cached-token accounting has shown that
+on one that shares it (vLLM registers a block when it schedules it) or has no prefix cache it
+only adds a judge round trip. ``judge.engine`` chooses: ``llama_cpp`` waits, ``vllm`` never
+does; ``sglang`` learns as ``unknown`` does (its scheduler holds back a waiting call whose
+prefix another waiting call has, but only under its cache-aware ``--schedule-policy lpm`` with
+at most 128 calls waiting, schedule_policy.py; under ``fcfs`` concurrent calls each compute it);
+``unknown`` (the default) waits on an endpoint only once its cached-token accounting has shown that
 concurrent calls on one conversation do not share it (:class:`Sharing`: over at least
 :data:`EVIDENCE_CALLS` answered calls of each kind, the cached share of the prompt of calls that
 started while their conversation was being computed there stays under :data:`SHARED_FRACTION`
@@ -152,6 +154,9 @@ class Endpoint:
         # computing it is in flight), not for a slot (Endpoints.release fills free slots).
         return self.limit is None or self.used < self.limit
 
+
+#: The ``judge.engine`` values whose prefix waits follow what :class:`Sharing` learnt.
+LEARNS = ("unknown", "sglang")
 
 #: Answered calls of each kind (:class:`Sharing`) before an endpoint's sharing is judged.
 EVIDENCE_CALLS = 8
@@ -439,7 +444,7 @@ class Endpoints:
         endpoint = lease.endpoint
         affinity = lease.affinity
         if (computed and input_tokens > 0 and lease.conversation is not None
-                and self._engine == "unknown"):
+                and self._engine in LEARNS):
             endpoint.sharing.add(lease.conversation == CONCURRENT, cached_tokens, input_tokens)
             if affinity is not None and affinity.crowd is not None and not affinity.crowd.waits:
                 affinity.crowd.waits = endpoint.sharing.unshared()
@@ -532,9 +537,9 @@ class Endpoints:
 
     def prefix_waits(self, endpoint: Endpoint) -> bool:
         """Whether a duplicate waits at ``endpoint`` (module docstring): ``judge.engine``
-        ``llama_cpp`` always, ``vllm`` / ``sglang`` never, ``unknown`` once the endpoint was
-        shown not to share a prefix between concurrent calls."""
-        if self._engine == "unknown":
+        ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` once the endpoint was
+        shown not to share a prefix between concurrent calls (:data:`LEARNS`)."""
+        if self._engine in LEARNS:
             return endpoint.sharing.unshared()
         return self._engine == "llama_cpp"
 
