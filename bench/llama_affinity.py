@@ -123,6 +123,7 @@ def start_ours(args: argparse.Namespace, urls: list[str], routing: str,
         "judge.prompt": "plain",
         "judge.structured_output": "json_object",
         "judge.routing": routing,
+        "judge.engine": args.engine,
         # as many calls per judge as it has slots: queue here, not there
         "judge.max_concurrency_per_endpoint": args.slots,
         "genrm_responses_create_params": {"max_output_tokens": args.max_tokens,
@@ -204,6 +205,7 @@ def run_arm(args: argparse.Namespace, routing: str, repeat: int, logs: Path) -> 
             "prompt_tokens": prompt, "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else 0.0,
             "per_endpoint_prompt": [e["input_tokens"] for e in endpoints],
+            "prefix_waits": [e.get("prefix_waits") for e in endpoints],
             "first_failure": status["first_failure"]}
 
 
@@ -227,6 +229,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--engine", default="unknown",
+                        choices=("unknown", "vllm", "sglang", "llama_cpp"),
+                        help="our server's judge.engine (which prefix waits cohort_affinity "
+                             "makes; unknown learns it from the judges' cached tokens)")
     parser.add_argument("--slots", type=int, default=1,
                         help="xllamacpp only: slots per judge server (n_parallel, each of --n-ctx"
                              " tokens), also judge.max_concurrency_per_endpoint")
@@ -250,14 +256,14 @@ def main() -> int:
         parser.error("--slots and --kv-unified need --server xllamacpp (llama-cpp-python's "
                      "server serves one call at a time)")
     args.logs.mkdir(parents=True, exist_ok=True)
-    print(f"{args.server}: 2 judges x 1 core x {args.slots} slot(s)"
+    print(f"{args.server}: 2 judges x 1 core x {args.slots} slot(s), judge.engine {args.engine}"
           f"{' (kv_unified)' if args.kv_unified else ''}, SmolLM2-135M, {args.cohorts} cohorts of "
           f"{args.n} at once, {args.strategy}, ~{args.history_chars} chars of conversation, "
           f"answers {low}-{high} chars, {args.max_tokens} output tokens, temperature 0, "
           f"cache_ram_mib {'default' if args.cache_ram_mib < 0 else args.cache_ram_mib}\n")
     print("| routing | repeat | judge wall s | prompt tokens | cached tokens | hit rate "
-          "| prompt tokens per endpoint | failed members |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| prompt tokens per endpoint | prefix waits at the end | failed members |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     runs: dict[str, list[dict[str, Any]]] = {"least_loaded": [], "cohort_affinity": []}
     for repeat in range(args.repeats):
         for routing in runs:
@@ -265,7 +271,8 @@ def main() -> int:
             runs[routing].append(arm)
             print(f"| {routing} | {repeat} | {arm['wall_s']:.1f} | {arm['prompt_tokens']} | "
                   f"{arm['cached_tokens']} | {arm['hit_rate']:.2f} | "
-                  f"{arm['per_endpoint_prompt']} | {arm['failed']} |", flush=True)
+                  f"{arm['per_endpoint_prompt']} | {arm['prefix_waits']} | {arm['failed']} |",
+                  flush=True)
             if arm["first_failure"]:
                 print(f"first failure: {arm['first_failure']}", file=sys.stderr)
     walls = {r: sorted(a["wall_s"] for a in arms)[len(arms) // 2] for r, arms in runs.items()}

@@ -145,6 +145,7 @@ class JudgeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     seed: Literal["none", "content"] = "none"
     routing: Literal["least_loaded", "cohort_affinity"] = "cohort_affinity"
     affinity_spill_factor: float = 1.5
+    engine: Literal["unknown", "vllm", "sglang", "llama_cpp"] = "unknown"
 
     def __post_init__(self) -> None:
         _validate_judge(self)
@@ -431,6 +432,7 @@ def _validate_judge(judge: JudgeConfig) -> None:
             ("none", "json_schema", "json_object"))
     _choice("judge.seed", judge.seed, ("none", "content"))
     _choice("judge.routing", judge.routing, ("least_loaded", "cohort_affinity"))
+    _choice("judge.engine", judge.engine, ("unknown", "vllm", "sglang", "llama_cpp"))
     _number("judge.affinity_spill_factor", judge.affinity_spill_factor, ge=1.0,
             le=MAX_AFFINITY_SPILL_FACTOR)
     _non_empty("judge.prompt_template_file", judge.prompt_template_file, nullable=True)

@@ -582,6 +582,7 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
         "output_tokens": 0,
         "cached_tokens": 0,
         "outstanding_tokens": 0,
+        "prefix_waits": False,
     }
     assert status["limiter"] == {"in_use": 0, "total": 1024, "waiting": 0,
                                  "order": "complete_group"}
@@ -986,6 +987,7 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                     "output_tokens": 0,
                     "cached_tokens": 0,
                     "outstanding_tokens": 0,
+                    "prefix_waits": False,
                 }
                 for u in (URL_A, URL_B)
             ],

@@ -16,6 +16,8 @@ import trio.testing
 from genrm_trio.config import Config, JudgeConfig
 from genrm_trio.errors import ConfigError
 from genrm_trio.server.judge import Affinity, Crowd, JudgeRequest, open_judge
+from genrm_trio.server.judge.endpoints import EVIDENCE_CALLS as EVIDENCE
+from genrm_trio.server.judge.endpoints import Sharing
 from tests.test_judge import MaxRng, responses_ok, transport
 
 URL_A = "http://judge-a.test"
@@ -146,7 +148,7 @@ async def test_with_many_cohorts_a_full_home_spills_past_the_factor_and_idle_slo
 ) -> None:
     fakes = Endpoints()
     config = cfg("cohort_affinity", affinity_spill_factor=factor,
-                 max_concurrency_per_endpoint=2)
+                 max_concurrency_per_endpoint=2, engine="llama_cpp")
     group = Group(crowd(4))  # two cohorts per endpoint: the spill factor bounds affinity
     async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
         await judge.judge_pair(request(0, 100), group)  # its conversation is warm at judge-a
@@ -206,21 +208,28 @@ def pair(group: int, i: int, j: int) -> JudgeRequest:
 
 
 @pytest.mark.parametrize("slots", [5, None])  # None: no per-endpoint limit (the default)
-@pytest.mark.parametrize(("cohorts", "starts"), [
+@pytest.mark.parametrize(("engine", "cohorts", "starts"), [
     # two cohorts per endpoint active: (0, 2), (0, 3) wait for (0, 1) to compute the
     # conversation and answer 0, (1, 3) for (1, 2) to compute answer 1; slots stay free
     # meanwhile (other cohorts' calls would take them)
-    (4, [0.0, 1.0, 1.0, 1.0, 2.0]),
+    ("llama_cpp", 4, [0.0, 1.0, 1.0, 1.0, 2.0]),
     # one cohort: nothing else would use the free slots, so every call goes at once
-    (1, [0.0, 0.0, 0.0, 0.0, 0.0]),
+    ("llama_cpp", 1, [0.0, 0.0, 0.0, 0.0, 0.0]),
+    # an engine that shares a prefix between the calls it runs: waiting would only add a
+    # round trip, so every call goes at once however crowded
+    ("vllm", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
+    # unknown / sglang, and nothing yet shows it does not share (these fakes report no cached
+    # tokens)
+    ("sglang", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
+    ("unknown", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
 ])
 async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_other_calls_go(
-    autojump_clock: trio.testing.MockClock, cohorts: int, starts: list[float],
+    autojump_clock: trio.testing.MockClock, engine: str, cohorts: int, starts: list[float],
     slots: int | None,
 ) -> None:
     fakes = Endpoints()
     config = cfg("cohort_affinity", affinity_spill_factor=16.0,
-                 max_concurrency_per_endpoint=slots)
+                 max_concurrency_per_endpoint=slots, engine=engine)
     group = Group(crowd(cohorts))
     # A call left waiting with nothing to wake it fails here (the clock jumps to the
     # deadline) instead of hanging the suite.
@@ -237,6 +246,71 @@ async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_oth
     assert set(fakes.hosts) == {"judge-a.test"}
     assert all(e["outstanding_tokens"] == 0 and e["waiting"] == 0 and e["in_flight"] == 0
                for e in status["endpoints"])
+
+
+class CachingEndpoints(Endpoints):
+    """Fake judges with a prefix cache per host that report ``cached_tokens``: a call finds its
+    conversation cached (80 of its 100 prompt tokens) once a call with it has ended there
+    (``shared=False``: concurrent calls compute it again, like llama.cpp's slots) or started
+    there (``shared=True``: the engine shares it between the calls it runs, like vLLM)."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.shared = shared
+        self.cached: set[tuple[str, str]] = set()
+
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        body = httpx2.Response(200, content=request.content).json()
+        key = (request.url.host, body["input"][0]["content"])
+        hit = key in self.cached
+        if self.shared:
+            self.cached.add(key)
+        answer = await super().__call__(request)
+        self.cached.add(key)
+        reply = answer.json()
+        reply["usage"] = {"input_tokens": 100, "output_tokens": 5,
+                          "input_tokens_details": {"cached_tokens": 80 if hit else 0}}
+        return httpx2.Response(200, json=reply)
+
+
+@pytest.mark.parametrize(("shared", "later"), [
+    # shown not to share: later cohorts' duplicates wait for the call computing their prefix
+    (False, [0.0, 1.0, 1.0, 1.0, 2.0]),
+    # shares (its concurrent calls find the conversation cached): never waits
+    (True, [0.0, 0.0, 0.0, 0.0, 0.0]),
+])
+@pytest.mark.parametrize("engine", ["unknown", "sglang"])  # sglang: as its --schedule-policy
+async def test_unknown_engine_waits_only_once_its_cached_tokens_show_concurrent_calls_do_not_share(
+    autojump_clock: trio.testing.MockClock, shared: bool, later: list[float], engine: str,
+) -> None:
+    fakes = CachingEndpoints(shared)
+    # One endpoint (its evidence is its own)
+    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
+                                      engine=engine),  # type: ignore[arg-type]
+                    genrm_parse_retry_sleep_s=0.0)
+    pairs = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))
+    shared_crowd = crowd(4)
+    starts: list[list[float]] = []
+    with trio.fail_after(600):
+        async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+            # Each cohort: its five calls at once (four start while the first computes the
+            # conversation), then one more that finds it warm.
+            for g in range(EVIDENCE + 1):
+                group = Group(shared_crowd)
+                begun = len(fakes.calls)
+                async with trio.open_nursery() as nursery:
+                    for i, j in pairs:
+                        nursery.start_soon(judge.judge_pair, pair(g, i, j), group)
+                        await trio.testing.wait_all_tasks_blocked()
+                first = min(t for t, *_ in fakes.calls[begun:])
+                starts.append([t - first for t, *_ in fakes.calls[begun:]])
+                await judge.judge_pair(pair(g, 2, 3), group)
+    assert set(fakes.hosts) == {"judge-a.test"}
+    # No waits before the evidence: the first cohort's calls all went at once.
+    assert starts[0] == [0.0] * 5
+    # Evidence from cohorts 0..7 (4 concurrent calls and 1 warm each): cohort 8 follows it.
+    assert sorted(starts[EVIDENCE]) == later
+    assert shared_crowd.waits is not shared
 
 
 def one_endpoint(slots: int) -> Config:
@@ -367,8 +441,27 @@ async def test_compare_calls_without_a_group_are_least_loaded(
 @pytest.mark.parametrize(("key", "value"), [
     ("routing", "round_robin"), ("affinity_spill_factor", 0.5),
     ("affinity_spill_factor", 16.5), ("affinity_spill_factor", math.nan),
+    ("engine", "trt_llm"), ("engine", ""),
 ])
 def test_bad_routing_settings_name_the_key(key: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
         JudgeConfig(**{key: value})
     assert info.value.key == f"judge.{key}"
+
+
+@pytest.mark.parametrize(("concurrent", "warm", "calls", "unshared"), [
+    (0.0, 0.8, EVIDENCE, True),  # concurrent calls find nothing of what warm ones find
+    (0.39, 0.8, EVIDENCE, True),  # under half
+    (0.41, 0.8, EVIDENCE, False),  # over half: it shares
+    (0.8, 0.8, EVIDENCE, False),
+    (0.0, 0.0, EVIDENCE, False),  # no cache, or nothing reported: never shown
+    (0.0, 0.8, EVIDENCE - 1, False),  # too few calls yet
+])
+def test_sharing_is_judged_from_cached_shares_of_concurrent_and_warm_calls(
+    concurrent: float, warm: float, calls: int, unshared: bool,
+) -> None:
+    sharing = Sharing()
+    for _ in range(calls):
+        sharing.add(True, round(concurrent * 100), 100)
+        sharing.add(False, round(warm * 100), 100)
+    assert sharing.unshared() is unshared

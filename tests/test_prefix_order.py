@@ -75,12 +75,14 @@ class Backend:
         return {"endpoints": []}
 
 
-def config(routing: str, schedule: str = "wait_for_all", n: int = 5, **top: Any) -> Config:
+def config(routing: str, schedule: str = "wait_for_all", n: int = 5, engine: str = "unknown",
+           **top: Any) -> Config:
     # One judge URL (the tests' judges answer in process): cohort_affinity applies to judge
     # endpoints only.
     return Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
                   judge_schedule=schedule,  # type: ignore[arg-type]
                   judge=JudgeConfig(routing=routing,  # type: ignore[arg-type]
+                                    engine=engine,  # type: ignore[arg-type]
                                     base_urls=("http://judge.test",)), **top)
 
 
@@ -93,16 +95,30 @@ async def run_cohort(cfg: Config, judge: Any) -> list[float]:
     return [outcomes.reward(f"m{slot}") for slot in range(n)]
 
 
+@pytest.mark.parametrize(("engine", "warm_up"), [
+    ("llama_cpp", True),
+    # an engine that shares prefixes between the calls it runs (vllm): a warm-up only adds a
+    # round trip; sglang / unknown: nothing has shown that concurrent calls do not share (the
+    # in-process judge reports no cached tokens)
+    ("vllm", False), ("sglang", False), ("unknown", False),
+    # unknown once an endpoint's cached tokens showed concurrent calls do not share a prefix
+    # (judge/endpoints.py sets the registry's Crowd.waits then): the warm-up, as llama_cpp
+    ("unknown, shown not to share", True), ("sglang, shown not to share", True),
+])
 @pytest.mark.parametrize("schedule", ["wait_for_all", "eager"])
 async def test_with_two_cohorts_per_judge_affinity_sends_one_warm_up_call_then_the_rest(
-    autojump_clock: trio.testing.MockClock, schedule: str,
+    autojump_clock: trio.testing.MockClock, schedule: str, engine: str, warm_up: bool,
 ) -> None:
     # No judge.max_concurrency_per_endpoint: the warm-up is the cohort's own, and pays only
-    # while another cohort keeps the judge busy (one judge here: two cohorts).
-    cfg = config("cohort_affinity", schedule)
+    # while another cohort keeps the judge busy (one judge here: two cohorts), on an engine
+    # whose concurrent calls do not share a prefix (judge.engine).
+    cfg = config("cohort_affinity", schedule, engine=engine.partition(",")[0])
     judge = TimedJudge()
     n = cfg.num_rollouts_per_prompt
     async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
+        assert registry._crowd.waits is (engine == "llama_cpp")
+        if "shown" in engine:
+            registry._crowd.waits = True
         outcomes = Outcomes(registry, nursery)
         for slot in range(n):
             for c in range(2):
@@ -113,8 +129,12 @@ async def test_with_two_cohorts_per_judge_affinity_sends_one_warm_up_call_then_t
                                                       strict=True)
                  if conversation.startswith(f"Task {c}")]
         first, *rest = times
-        assert len(times) == 10 and all(t > first for t in rest)  # the warm-up ran alone
-        assert len(set(rest)) == 1  # then everything else fanned out at once
+        assert len(times) == 10
+        if warm_up:
+            assert all(t > first for t in rest)  # the warm-up ran alone
+            assert len(set(rest)) == 1  # then everything else fanned out at once
+        else:
+            assert len(set(times)) == 1  # everything at once
 
 
 async def test_one_cohort_alone_sends_every_call_at_once_under_affinity(
@@ -190,7 +210,7 @@ async def test_with_many_cohorts_in_flight_each_endpoint_computes_a_conversation
     cfg = Config(num_rollouts_per_prompt=n, comparison_strategy="all_pairs",
                  genrm_parse_retry_sleep_s=0.0,
                  judge=JudgeConfig(base_urls=(URL_A, URL_B), routing="cohort_affinity",
-                                   max_concurrency_per_endpoint=2))
+                                   max_concurrency_per_endpoint=2, engine="llama_cpp"))
     async with open_judge(cfg, transport=transport(fakes), rng=MaxRng()) as judge, \
             open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
         outcomes = Outcomes(registry, nursery)

@@ -355,7 +355,7 @@ class CohortRegistry:
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
         # Cohorts active, as cohort_affinity's endpoint queues read it (judge/endpoints.py).
-        self._crowd = Crowd()
+        self._crowd = Crowd(waits=cfg.judge.engine == "llama_cpp")
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
         self._duplicate_bytes = 0
@@ -405,8 +405,11 @@ class CohortRegistry:
         self._verdicts = VerdictCache(cfg, journal) if cfg.verdict_reuse != "off" else None
         # One warm-up judge call per cohort before the rest (_start_ready_pairs).
         # (Only for judge endpoints: the built-in judge and plugins have no prefix cache here.)
+        # Not on an engine that shares prefixes between concurrent calls (judge.engine: vllm),
+        # and with unknown / sglang only once an endpoint has shown it does not (Crowd.waits).
         self._warm_up = (cfg.judge.routing == "cohort_affinity" and bool(cfg.judge.base_urls)
-                         and cfg.judge.max_concurrency_per_endpoint is None)
+                         and cfg.judge.max_concurrency_per_endpoint is None
+                         and cfg.judge.engine != "vllm")
         self._crowded_at = 2 * len(cfg.judge.base_urls)  # as judge/endpoints.py's crowd
         if journal is not None:
             self._reload(journal)
@@ -1235,7 +1238,8 @@ class CohortRegistry:
         cache = self._verdicts
         now = trio.current_time()
         # The warm-up pays only while other cohorts' calls keep the judges busy meanwhile.
-        warm_up = self._warm_up and len(self._active) >= self._crowded_at
+        warm_up = (self._warm_up and self._crowd.waits
+                   and len(self._active) >= self._crowded_at)
         for place, index in enumerate(scoring.prefix_order(cohort.pairs)):
             if warm_up and len(cohort.started_pairs) > cohort.reused and not (
                     len(results) > cohort.reused):

@@ -66,6 +66,7 @@ from genrm_trio.mock.prefix_cache import (
 from genrm_trio.mock.settings import MAX_STEP_TOKENS
 
 ROUTINGS = ("least_loaded", "cohort_affinity")
+JUDGE_ENGINES = ("unknown", "vllm", "sglang", "llama_cpp")
 STRATEGIES = ("circular", "all_pairs")
 PROMPT_CHARS = 6000  # about 1,500 tokens at 4 characters a token
 ANSWER_CHARS = (760, 840)  # about 200 tokens
@@ -92,6 +93,7 @@ class EconomyParams:
     replaced: tuple[int, ...] = (0, 1, 2)  # answers changed per replacement attempt
     engine: str = "per_call"  # the mock judges' time model (genrm_trio.mock.engine)
     step_tokens: int = 8192  # batched engine: prompt tokens per step (max_num_batched_tokens)
+    judge_engine: str = "unknown"  # the server's judge.engine (which prefix waits it makes)
 
     def __post_init__(self) -> None:
         try:
@@ -111,6 +113,8 @@ class EconomyParams:
                 raise ValueError(f"{key}: a finite number >= 0")
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"engine: one of {', '.join(ENGINE_KINDS)}")
+        if self.judge_engine not in JUDGE_ENGINES:
+            raise ValueError(f"judge_engine: one of {', '.join(JUDGE_ENGINES)} (judge.engine)")
         if not 1 <= self.step_tokens <= MAX_STEP_TOKENS:
             raise ValueError(f"step_tokens: in 1..{MAX_STEP_TOKENS} (the mock's "
                              "engine_step_tokens)")
@@ -141,7 +145,7 @@ def parse_economy_overrides(items: Iterable[str],
         if key in _LIST_KEYS:
             parts = tuple(v.strip() for v in value.split(",") if v.strip())
             return parts if key == "strategies" else tuple(int(v) for v in parts)
-        if key in ("cache", "engine"):
+        if key in ("cache", "engine", "judge_engine"):
             return value.strip()
         if key in ("n", "endpoints", "capacity", "step_tokens"):
             return int(value)
@@ -265,6 +269,7 @@ def _server_command(urls: Sequence[str], params: EconomyParams, strategy: str,
     for key, value in (("num_rollouts_per_prompt", str(params.n)),
                        ("comparison_strategy", strategy), ("log_level", "WARNING"),
                        ("judge.routing", routing), ("verdict_reuse", "group"),
+                       ("judge.engine", params.judge_engine),
                        ("judge.affinity_spill_factor", repr(params.spill_factor)),
                        ("judge.max_concurrency_per_endpoint", str(params.capacity))):
         cmd += ["--set", f"{key}={value}"]
@@ -337,6 +342,11 @@ async def _one_arm(ctx: BenchContext, params: EconomyParams, strategy: str, k: i
         results = [CohortResult(c, tuple(answers[c, i] for i in range(params.n)))
                    for c in range(k)]
         stats = await _judge_stats(judge_clients)
+        # Endpoints where cohort_affinity makes its prefix waits now (judge.engine: unknown
+        # learns it during the step from the judges' cached tokens)
+        status = msgspec.json.decode((await client.get("/status")).body)
+        metrics["prefix_waits_endpoints"] = float(sum(
+            bool(e.get("prefix_waits")) for e in status["judge"]["endpoints"]))
         seen: set[bytes] = set()
         minimum, total = analytic_minimum(bodies, k, params.n, strategy, seen)
         computed = sum(s.computed_tokens for s in stats)
@@ -401,6 +411,8 @@ def economy_cases(params: EconomyParams | None = None) -> list[Case]:
         name = f"n{params.n}-k{k}-{strategy}-{params.endpoints}ep-{params.cache_label()}"
         if params.engine != "per_call":
             name += f"-{params.engine}"
+        if params.judge_engine != "unknown":
+            name += f"-{params.judge_engine}"
 
         async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
             metrics: dict[str, float] = {}

@@ -43,6 +43,20 @@ endpoint (:class:`Crowd`), it waits for that call even while a slot is free (oth
 calls take the slot meanwhile), so each prefix is computed once; with fewer cohorts it takes
 the free slot, as nothing else would. The engine may still have evicted a warm prefix; it is a
 hint, never a correctness matter (rewards never depend on issue order).
+
+Such a *prefix wait* (this duplicate wait, and the registry's warm-up call, server/cohort.py)
+saves work only on an engine whose concurrent calls do not share a prefix (llama.cpp's slots);
+on one that shares it (vLLM registers a block when it schedules it) or has no prefix cache it
+only adds a judge round trip. ``judge.engine`` chooses: ``llama_cpp`` waits, ``vllm`` never
+does; ``sglang`` learns as ``unknown`` does (its scheduler holds back a waiting call whose
+prefix another waiting call has, but only under its cache-aware ``--schedule-policy lpm`` with
+at most 128 calls waiting, schedule_policy.py; under ``fcfs`` concurrent calls each compute it);
+``unknown`` (the default) waits on an endpoint only once its cached-token accounting has shown that
+concurrent calls on one conversation do not share it (:class:`Sharing`: over at least
+:data:`EVIDENCE_CALLS` answered calls of each kind, the cached share of the prompt of calls that
+started while their conversation was being computed there stays under :data:`SHARED_FRACTION`
+of the share of calls that found it warm). Until then it routes with affinity but never waits,
+so it is never slower than ``least_loaded`` where affinity saves nothing.
 """
 
 from __future__ import annotations
@@ -102,6 +116,7 @@ class Endpoint:
         "used",
         "queue",
         "grants",
+        "sharing",
     )
 
     def __init__(self, url: str, max_concurrency: int | None = None,
@@ -129,6 +144,7 @@ class Endpoint:
         self.input_tokens = 0
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens the judge reported found in its prefix cache
+        self.sharing = Sharing()
 
     def cooling(self, now: float) -> bool:
         return now < self.cooling_until
@@ -137,6 +153,51 @@ class Endpoint:
         # While a slot is free, every call still waiting here waits for its prefix (a call
         # computing it is in flight), not for a slot (Endpoints.release fills free slots).
         return self.limit is None or self.used < self.limit
+
+
+#: The ``judge.engine`` values whose prefix waits follow what :class:`Sharing` learnt.
+LEARNS = ("unknown", "sglang")
+
+#: Answered calls of each kind (:class:`Sharing`) before an endpoint's sharing is judged.
+EVIDENCE_CALLS = 8
+
+#: An endpoint shares a prefix between concurrent calls when the calls that started while their
+#: conversation was being computed there find at least this share of what calls that found it
+#: warm find in its cache.
+SHARED_FRACTION = 0.5
+
+
+class Sharing:
+    """What an endpoint's cached-token accounting says of concurrent calls on one conversation
+    (``judge.engine: unknown``): the summed cached share of the prompt of answered calls that
+    started while their conversation was being computed there (``concurrent``), and of calls
+    that found it warm (``warm``). Plain counters: four numbers per endpoint."""
+
+    __slots__ = ("concurrent_calls", "concurrent_share", "warm_calls", "warm_share")
+
+    def __init__(self) -> None:
+        self.concurrent_calls = 0
+        self.concurrent_share = 0.0
+        self.warm_calls = 0
+        self.warm_share = 0.0
+
+    def add(self, concurrent: bool, cached_tokens: int, input_tokens: int) -> None:
+        share = min(1.0, cached_tokens / input_tokens)
+        if concurrent:
+            self.concurrent_calls += 1
+            self.concurrent_share += share
+        else:
+            self.warm_calls += 1
+            self.warm_share += share
+
+    def unshared(self) -> bool:
+        """Shown not to share: enough calls of both kinds, and concurrent ones find in the
+        cache less than :data:`SHARED_FRACTION` of what warm ones find (an engine that reports
+        no cached tokens, or has no cache, is never shown so)."""
+        if self.concurrent_calls < EVIDENCE_CALLS or self.warm_calls < EVIDENCE_CALLS:
+            return False
+        warm = self.warm_share / self.warm_calls
+        return warm > 0 and self.concurrent_share / self.concurrent_calls < SHARED_FRACTION * warm
 
 
 #: A prefix of a group's prompts on one endpoint: the conversation (``None``), or the
@@ -151,12 +212,15 @@ PICK_WINDOW = 256
 class Crowd:
     """How many cohorts the registry holds (collecting or judging), shared by their
     :class:`Affinity`: more work is coming when this is more than one cohort per endpoint.
-    Owned by the registry, which sets ``cohorts``."""
+    Owned by the registry, which sets ``cohorts``. ``waits``: prefix waits pay on some endpoint
+    (``judge.engine: llama_cpp``, or one shown not to share, set by :class:`Endpoints`): the
+    registry's warm-up call reads it."""
 
-    __slots__ = ("cohorts",)
+    __slots__ = ("cohorts", "waits")
 
-    def __init__(self) -> None:
+    def __init__(self, waits: bool = False) -> None:
         self.cohorts = 0
+        self.waits = waits
 
 
 class Affinity:
@@ -215,16 +279,24 @@ STARVED_GRANTS = 8
 
 class Lease:
     """One slot taken by :meth:`Endpoints.acquire`: give it back with :meth:`Endpoints.release`.
-    ``keys``: the group's prefixes this call is computing (cold when it started)."""
+    ``keys``: the group's prefixes this call is computing (cold when it started);
+    ``conversation``: what it found of the group's conversation there (:data:`WARM`,
+    :data:`CONCURRENT`: another call was computing it, or None: cold or no group)."""
 
-    __slots__ = ("endpoint", "tokens", "affinity", "keys")
+    __slots__ = ("endpoint", "tokens", "affinity", "keys", "conversation")
 
     def __init__(self, endpoint: Endpoint, tokens: int, affinity: Affinity | None,
-                 keys: tuple[PrefixKey, ...]) -> None:
+                 keys: tuple[PrefixKey, ...], conversation: str | None = None) -> None:
         self.endpoint = endpoint
         self.tokens = tokens
         self.affinity = affinity
         self.keys = keys
+        self.conversation = conversation
+
+
+#: :attr:`Lease.conversation` values.
+WARM = "warm"
+CONCURRENT = "concurrent"
 
 
 class SlotWaiter:
@@ -265,6 +337,7 @@ class Endpoints:
         limit = cfg.judge.max_concurrency_per_endpoint
         self.affinity = cfg.judge.routing == "cohort_affinity"
         self._factor = cfg.judge.affinity_spill_factor
+        self._engine = cfg.judge.engine
         self.all = [Endpoint(u, limit, own_slots=self.affinity) for u in urls]
 
     # -- cohort_affinity ------------------------------------------------------------------
@@ -347,22 +420,34 @@ class Endpoints:
     def _lease(self, endpoint: Endpoint, tokens: int, affinity: Affinity | None,
                prefix: str | None) -> Lease:
         keys: tuple[PrefixKey, ...] = ()
+        conversation = None
         endpoint.grants += 1
         if affinity is not None and not affinity.closed:
             affinity.served[endpoint] = endpoint.grants
             keys = affinity.keys(endpoint, prefix)
+            if not keys or keys[0][1] is not None:
+                conversation = WARM
+            elif keys[0] in affinity.computing:
+                conversation = CONCURRENT
             for key in keys:
                 affinity.computing[key] = affinity.computing.get(key, 0) + 1
-        return Lease(endpoint, tokens, affinity, keys)
+        return Lease(endpoint, tokens, affinity, keys, conversation)
 
-    def release(self, lease: Lease, computed: bool) -> None:
+    def release(self, lease: Lease, computed: bool, input_tokens: int = 0,
+                cached_tokens: int = 0) -> None:
         """Give back a slot taken by :meth:`acquire` (``computed``: the judge answered, so its
-        prompt's prefixes are in that engine's cache now): free slots go to waiting calls of
+        prompt's prefixes are in that engine's cache now; ``input_tokens`` / ``cached_tokens``:
+        what it reported of this call's prompt): free slots go to waiting calls of
         the endpoint (:meth:`_pick`), else to waiting calls of the most loaded other endpoint
         that is cooling, past the spill bound or (few cohorts) holding any, else stay free.
         Synchronous."""
         endpoint = lease.endpoint
         affinity = lease.affinity
+        if (computed and input_tokens > 0 and lease.conversation is not None
+                and self._engine in LEARNS):
+            endpoint.sharing.add(lease.conversation == CONCURRENT, cached_tokens, input_tokens)
+            if affinity is not None and affinity.crowd is not None and not affinity.crowd.waits:
+                affinity.crowd.waits = endpoint.sharing.unshared()
         if affinity is not None and not affinity.closed:
             for key in lease.keys:
                 left = affinity.computing[key] - 1
@@ -446,8 +531,17 @@ class Endpoints:
     def _defers(self, endpoint: Endpoint, affinity: Affinity | None) -> bool:
         """Whether a call that would compute again a prefix a call in flight is computing
         waits for that call although ``endpoint`` has a free slot: when the endpoint is
-        serving calls and the registry is crowded (:meth:`_crowded`)."""
-        return endpoint.used > 0 and self._crowded(affinity)
+        serving calls, the registry is crowded (:meth:`_crowded`) and prefix waits pay there
+        (:meth:`prefix_waits`)."""
+        return endpoint.used > 0 and self._crowded(affinity) and self.prefix_waits(endpoint)
+
+    def prefix_waits(self, endpoint: Endpoint) -> bool:
+        """Whether a duplicate waits at ``endpoint`` (module docstring): ``judge.engine``
+        ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` once the endpoint was
+        shown not to share a prefix between concurrent calls (:data:`LEARNS`)."""
+        if self._engine in LEARNS:
+            return endpoint.sharing.unshared()
+        return self._engine == "llama_cpp"
 
     def _grant(self, waiter: SlotWaiter, endpoint: Endpoint,
                moved_from: Endpoint | None = None) -> None:

@@ -98,12 +98,14 @@ class HttpBackend:
             state.span.endpoint(chosen.display)
             chosen.picks += 1
             computed = False
+            input_before, cached_before = state.input_tokens, state.cached_tokens
             try:
                 text = await self._call_endpoint(chosen, content, state)
                 computed = True
                 return text
             finally:
-                self._endpoints.release(lease, computed)
+                self._endpoints.release(lease, computed, state.input_tokens - input_before,
+                                        state.cached_tokens - cached_before)
         endpoint = self._endpoints.choose(state.last_endpoint)
         state.last_endpoint = endpoint
         state.span.endpoint(endpoint.display)
@@ -204,6 +206,7 @@ class HttpBackend:
                     "output_tokens": e.output_tokens,
                     "cached_tokens": e.cached_tokens,
                     "outstanding_tokens": e.outstanding_tokens,
+                    "prefix_waits": self._endpoints.affinity and self._endpoints.prefix_waits(e),
                 }
                 for e in self._endpoints.all
             ],
