@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -160,3 +161,42 @@ def wait_for_line(stream: Any, needle: str, timeout_s: float = 30.0) -> str:
     thread.join(timeout_s)
     assert found, f"no line with {needle!r} within {timeout_s} s"
     return found[0]
+
+
+async def mock_judge(nursery: trio.Nursery, log: Path) -> str:
+    """Start ``genrm-trio mock-judge`` on 127.0.0.1 port 0 (stderr to ``log``), owned by
+    ``nursery`` (killed and reaped when it is cancelled); returns its URL."""
+    with log.open("ab") as err:  # noqa: ASYNC230 - before any task runs
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "genrm_trio.cli", "mock-judge", "--port", "0"],
+            stdout=subprocess.PIPE, stderr=err, cwd=REPO)
+    assert proc.stdout is not None
+    line = b""
+    with trio.fail_after(30):
+        while not line.endswith(b"\n"):
+            chunk = await proc.stdout.receive_some(1)
+            assert chunk, "the mock judge exited before listening"
+            line += chunk
+
+    async def owner() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+
+    nursery.start_soon(owner)
+    return line.decode().strip().rsplit(" ", 1)[1]
+
+
+def completed_cohort_rewards(lines: list[dict[str, Any]], n: int) -> dict[str, list[float]]:
+    """Completed cohorts' rewards by slot, from the server's JSON cohort log lines, by group id;
+    every completed cohort must have had all ``n`` members."""
+    out = {}
+    for x in lines:
+        if x["kind"] == "completed":
+            assert (x["members"], x["size"]) == (n, n)
+            group = re.search(r"group '([^']+)'", x["key"]).group(1)  # type: ignore[union-attr]
+            out[group] = json.loads(re.search(r"rewards (\[[^\]]*\])", x["msg"]).group(1))  # type: ignore[union-attr]
+    return out

@@ -26,7 +26,6 @@ import asyncio
 import dataclasses
 import importlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,7 @@ import httpx2
 import pytest
 import trio
 
-from tests.process_helpers import run_asyncio, serve_process
-from tests.test_verl import mock_judge
+from tests.process_helpers import completed_cohort_rewards, mock_judge, run_asyncio, serve_process
 
 pytestmark = pytest.mark.slime
 
@@ -84,16 +82,6 @@ async def slime_rollout(args: argparse.Namespace, batch: list[list[Sample]]) -> 
     await run_asyncio(rollout(), 300)
 
 
-def logged_rewards(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
-    out = {}
-    for x in lines:
-        if x["kind"] == "completed":
-            assert (x["members"], x["size"]) == (N, N)
-            group = re.search(r"group '([^']+)'", x["key"]).group(1)  # type: ignore[union-attr]
-            out[group] = json.loads(re.search(r"rewards (\[[^\]]*\])", x["msg"]).group(1))  # type: ignore[union-attr]
-    return out
-
-
 async def test_slimes_group_reward_call_gets_cohort_rewards(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         judge = await mock_judge(nursery, tmp_path / "judge.log")
@@ -121,7 +109,7 @@ async def test_slimes_group_reward_call_gets_cohort_rewards(tmp_path: Path) -> N
         nursery.cancel_scope.cancel()
     lines = [json.loads(line) for line in server_log.splitlines() if '"event":"cohort"' in line]
     assert [x["kind"] for x in lines].count("completed") == 3
-    rewards = logged_rewards(lines)
+    rewards = completed_cohort_rewards(lines, N)
     assert all(isinstance(s.reward, float) and not s.remove_sample for g in batch for s in g)
     # Each group is one cohort named by its group_index; its samples carry its slots' rewards.
     for group in batch:

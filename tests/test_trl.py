@@ -17,7 +17,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.process_helpers import REPO, serve_process
+from tests.process_helpers import REPO, mock_judge, serve_process
 
 # Looked up, not imported: TRL runs only in the training subprocess, and importing torch here
 # would load it into every pytest session that collects this file.
@@ -38,31 +37,6 @@ pytestmark = [pytest.mark.trl, pytest.mark.skipif(
 
 N = 4
 SCRIPT = REPO / "tests" / "trl_tiny_grpo.py"
-
-
-async def mock_judge(nursery: trio.Nursery, log: Path) -> str:
-    with log.open("ab") as err:  # noqa: ASYNC230 - before any task runs
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "genrm_trio.cli", "mock-judge", "--port", "0"],
-            stdout=subprocess.PIPE, stderr=err, cwd=REPO)
-    assert proc.stdout is not None
-    line = b""
-    with trio.fail_after(30):
-        while not line.endswith(b"\n"):
-            chunk = await proc.stdout.receive_some(1)
-            assert chunk, "the mock judge exited before listening"
-            line += chunk
-
-    async def owner() -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            proc.kill()
-            with trio.CancelScope(shield=True):
-                await proc.wait()
-
-    nursery.start_soon(owner)
-    return line.decode().strip().rsplit(" ", 1)[1]
 
 
 def free_port() -> int:

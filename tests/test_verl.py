@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.process_helpers import REPO, serve_process
+from tests.process_helpers import REPO, completed_cohort_rewards, mock_judge, serve_process
 
 # Looked up, not imported: veRL runs only in the subprocess.
 MISSING = [name for name in ("verl", "torch", "cachetools", "fastapi")
@@ -41,31 +39,6 @@ SCRIPT = REPO / "tests" / "verl_reward_loop.py"
 SETTINGS = ["num_rollouts_per_prompt=4", "log_format=json", "unparseable_verdict_policy=mask",
             "genrm_parse_retries=0", "cohort_collection_timeout_s=120",
             "cohort_evaluation_timeout_s=120", "comparison_strategy=all_pairs"]
-
-
-async def mock_judge(nursery: trio.Nursery, log: Path) -> str:
-    with log.open("ab") as err:  # noqa: ASYNC230 - before any task runs
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "genrm_trio.cli", "mock-judge", "--port", "0"],
-            stdout=subprocess.PIPE, stderr=err, cwd=REPO)
-    assert proc.stdout is not None
-    line = b""
-    with trio.fail_after(30):
-        while not line.endswith(b"\n"):
-            chunk = await proc.stdout.receive_some(1)
-            assert chunk, "the mock judge exited before listening"
-            line += chunk
-
-    async def owner() -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            proc.kill()
-            with trio.CancelScope(shield=True):
-                await proc.wait()
-
-    nursery.start_soon(owner)
-    return line.decode().strip().rsplit(" ", 1)[1]
 
 
 async def run_mode(tmp_path: Path, mode: str, *extra: str) -> tuple[dict[str, Any],
@@ -88,22 +61,11 @@ async def run_mode(tmp_path: Path, mode: str, *extra: str) -> tuple[dict[str, An
     return json.loads((out / "result.json").read_text()), lines
 
 
-def cohort_rewards(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Completed cohorts' rewards by slot, from the server's log lines, by group id."""
-    out = {}
-    for x in lines:
-        if x["kind"] == "completed":
-            assert (x["members"], x["size"]) == (N, N)
-            group = re.search(r"group '([^']+)'", x["key"]).group(1)  # type: ignore[union-attr]
-            out[group] = json.loads(re.search(r"rewards (\[[^\]]*\])", x["msg"]).group(1))  # type: ignore[union-attr]
-    return out
-
-
 def check_rewarded(rows: list[dict[str, Any]], lines: list[dict[str, Any]]) -> dict[
         str, list[int]]:
     """Every row rewarded from its uid's completed cohort at its slot, the score at its last
     valid response token; the blank answer ('None') lowest of its group. The slots by group."""
-    rewards = cohort_rewards(lines)
+    rewards = completed_cohort_rewards(lines, N)
     slots: dict[str, list[int]] = defaultdict(list)
     by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
