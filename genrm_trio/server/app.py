@@ -330,7 +330,7 @@ def verify_answer(member: wire.VerifyMember, outcome: Outcome) -> Answer:
 def verify_answer_steps(member: wire.VerifyMember, outcome: Outcome) -> wire.Steps[Answer]:
     """:func:`verify_answer` in two steps: the body decoded again (with its answer's keys),
     then encoded."""
-    encode = wire.JSON_ENCODER.encode
+    encode = wire.encode_answer
     if isinstance(outcome, Rewarded):
         body = wire.success_body(
             member, outcome.reward, outcome.defaulted_comparisons,
@@ -351,7 +351,7 @@ def verify_answer_steps(member: wire.VerifyMember, outcome: Outcome) -> wire.Ste
 def _encoded_success(member: wire.VerifyMember, reward: float) -> wire.Steps[bytes]:
     body = wire.success_body(member, reward)
     yield
-    return wire.JSON_ENCODER.encode(body)
+    return wire.encode_answer(body)
 
 
 class VerifyEndpoint:

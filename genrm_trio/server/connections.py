@@ -346,4 +346,5 @@ async def serve(app: Any, config: HypercornConfig, *,
         outer.cancel_scope.cancel()
 
 
-__all__ = ["APP_QUEUE_BODY_BYTES", "AppQueue", "LeanTCPServer", "lean_connections_supported", "serve"]
+__all__ = ["APP_QUEUE_BODY_BYTES", "AppQueue", "LeanTCPServer", "lean_connections_supported",
+           "serve"]

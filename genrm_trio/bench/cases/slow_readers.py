@@ -25,8 +25,8 @@ was sent (a 429 answer whole; a reset connection ends early) and closes.
 Reported: RSS before the readers, its peak and at the end, the budget, how far the peak went
 past the budget (the goal: at most 100 MB), the most unsent answer bytes ``/status`` reported,
 the most body bytes reserved, malloc's peak in-use bytes (``/status`` memory.allocator, heap
-and mmapped), the resets counted in ``/metrics`` and how the readers' requests ended (429, reset, an answer
-begun but never finished), probe p50/p99/max (the goal: p99 <= 100 ms). A server that does
+and mmapped), the resets counted in ``/metrics`` and how the readers' requests ended (429,
+reset, an answer begun but never finished), probe p50/p99/max (the goal: p99 <= 100 ms). A server that does
 not know ``send_timeout_s`` (an older checkout, ``GENRM_BENCH_SERVER_PYTHONPATH``) runs
 without it; the run says so (``send_timeout_s_set`` 0). Ours only.
 """
@@ -108,6 +108,7 @@ def slow_readers_case(
         unsent: list[float] = []
         bodies: list[float] = []  # reserved body bytes (MiB)
         heap: list[float] = []  # malloc's in-use bytes, heap and mmapped (MiB)
+        free: list[float] = []  # malloc's free bytes inside its heap (MiB)
         probes: list[tuple[str, float, float, int]] = []
         ends: collections.Counter[str] = collections.Counter()
 
@@ -123,6 +124,7 @@ def slow_readers_case(
                     allocator = (status.get("memory") or {}).get("allocator") or {}
                     heap.append((allocator.get("in_use_bytes", math.nan)
                                  + allocator.get("mmapped_bytes", math.nan)) / 2**20)
+                    free.append(allocator.get("free_bytes", math.nan) / 2**20)
                 await trio.sleep(sample_s)
 
         async def reader() -> None:
@@ -192,7 +194,7 @@ def slow_readers_case(
         }
         notes = {"ends": dict(ends), "cohorts_after": after.get("cohorts")}
         samples = {"rss_mb": rss, "unsent_mb": unsent, "body_mb": bodies,
-                   "malloc_in_use_mb": heap, "probe_ms": took}
+                   "malloc_in_use_mb": heap, "malloc_free_mb": free, "probe_ms": took}
         return RunRecord(metrics, samples, notes)
 
     return Case("slow_readers", label, run, params, kinds=("ours",))
