@@ -28,7 +28,8 @@ the most body bytes reserved, malloc's peak in-use bytes (``/status`` memory.all
 and mmapped), the resets counted in ``/metrics`` and how the readers' requests ended (429,
 reset, an answer begun but never finished), probe p50/p99/max (the goal: p99 <= 100 ms). A
 server that does not know ``send_timeout_s`` (an older checkout,
-``GENRM_BENCH_SERVER_PYTHONPATH``) runs without it; the run says so (``send_timeout_s_set`` 0). Ours only.
+``GENRM_BENCH_SERVER_PYTHONPATH``) runs without it; the run says so (``send_timeout_s_set``
+0). Ours only.
 """
 
 from __future__ import annotations
