@@ -241,6 +241,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     verdict_reuse: Literal["group", "global", "off"] = "group"
     verdict_cache_max_entries: int = 65536
     malloc_trim_interval_s: float | None = 30.0
+    malloc_mmap_threshold_bytes: int | None = 65536
     log_level: str = "INFO"
     log_format: Literal["auto", "json", "text"] = "auto"
     auth_token_env: str | None = None
@@ -249,6 +250,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     def __post_init__(self) -> None:
         _validate_config(self)
 
+
+#: glibc's largest ``M_MMAP_THRESHOLD`` on 64-bit (``HEAP_MAX_SIZE / 2``).
+MAX_MMAP_THRESHOLD_BYTES = 32 * 2**20
 
 #: ``max_active_bytes: auto`` is this fraction of ``memory_limit_bytes`` (a quarter): room for
 #: what admission does not count (bodies being read and decoded, the interpreter, the
@@ -607,6 +611,8 @@ def _validate_config(cfg: Config) -> None:
     _number("verdict_cache_max_entries", cfg.verdict_cache_max_entries, ge=1,
             le=MAX_VERDICT_CACHE_ENTRIES, integer=True)
     _number("malloc_trim_interval_s", cfg.malloc_trim_interval_s, gt=0, nullable=True)
+    _number("malloc_mmap_threshold_bytes", cfg.malloc_mmap_threshold_bytes, ge=4096,
+            le=MAX_MMAP_THRESHOLD_BYTES, integer=True, nullable=True)
     level = cfg.log_level.upper() if isinstance(cfg.log_level, str) else cfg.log_level
     if level not in LOG_LEVELS:
         raise ConfigError(

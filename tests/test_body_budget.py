@@ -54,6 +54,32 @@ async def test_reserve_body_refuses_past_the_budget_and_changes_no_state() -> No
         registry.begin_shutdown()
 
 
+async def test_the_lone_body_is_not_let_past_the_budget_beside_unsent_answers() -> None:
+    """The exemption (a lone refusable body past the budget, for progress) holds against
+    members of open cohorts, not against answers waiting for their clients: those drain by
+    themselves, so the body waits for them instead of adding its share on top."""
+    cfg = Config(num_rollouts_per_prompt=2, max_active_bytes=1000)
+    async with open_registry(cfg, ScriptedJudge()) as registry:
+        registry.answer_sending(900)  # a slow reader's answer
+        refused = registry.reserve_body(200)
+        assert isinstance(refused, Failure) and refused.kind == "overloaded"
+        assert registry.snapshot()["body_bytes"] == 0
+        assert registry.reserve_body(100) is None  # fits beside it
+        registry.release_body(100)
+        registry.answer_sent(900)
+        # Nothing unsent: a body larger than the whole budget is still served.
+        assert registry.reserve_body(1500) is None
+        registry.release_body(1500)
+        # Unsent answers and the lone body within the budget together: exempt as before.
+        registry.answer_sending(300)
+        assert registry.reserve_body(700) is None
+        # More of the body that holds the lone reservation: checked against the others only.
+        assert registry.reserve_body(400, more=True) is None
+        registry.release_body(1100)
+        registry.answer_sent(300)
+        registry.begin_shutdown()
+
+
 async def _until_open(url: str) -> None:
     """Poll ``/status`` until a cohort is open (nothing announces it); the caller bounds the
     time."""

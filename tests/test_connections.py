@@ -22,7 +22,7 @@ import trio.testing
 from hypercorn.config import Config as HypercornConfig
 
 from genrm_trio.server import connections
-from genrm_trio.server.connections import AppQueue, LeanTCPServer
+from genrm_trio.server.connections import APP_QUEUE_BODY_BYTES, AppQueue, LeanTCPServer
 from tests.server_helpers import read_answer
 
 
@@ -48,6 +48,39 @@ async def test_queue_keeps_order_and_blocks_the_sender_once_full() -> None:
         assert put == [0, 1, 2, 3]
         got = [(await queue.get())["body"] for _ in range(4)]
     assert got == [b"1", b"2", b"3", b"4"] and put == [0, 1, 2, 3, 4]
+
+
+async def test_queue_blocks_the_sender_once_a_reads_worth_of_body_is_unread() -> None:
+    """Hypercorn's bound is ten messages; ours also stops at 64 KiB of unread body, so a body
+    the app does not read yet holds one read's worth here, not ten (issue 26, slow readers).
+    A message larger than the bound goes in whenever less than it is unread."""
+    queue = AppQueue(10)
+    put: list[int] = []
+    chunk = 40_000
+
+    async def sender() -> None:
+        for i in range(4):
+            await queue.put({"type": "http.request", "body": bytes(chunk), "more_body": True})
+            put.append(i)
+        await queue.put({"type": "http.request", "body": bytes(3 * APP_QUEUE_BODY_BYTES),
+                         "more_body": False})
+        put.append(4)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        await trio.testing.wait_all_tasks_blocked()
+        assert put == [0, 1]  # 80,000 bytes unread: the third waits
+        await queue.get()
+        await trio.testing.wait_all_tasks_blocked()
+        assert put == [0, 1, 2]
+        await queue.get()
+        await trio.testing.wait_all_tasks_blocked()
+        assert put == [0, 1, 2, 3]  # 80,000 unread again
+        await queue.get()
+        await trio.testing.wait_all_tasks_blocked()
+        assert put == [0, 1, 2, 3, 4]  # 40,000 unread: room, whatever the next one's size
+        await queue.get()
+        assert len((await queue.get())["body"]) == 3 * APP_QUEUE_BODY_BYTES
 
 
 async def test_a_waiting_receiver_is_woken_by_the_next_message() -> None:

@@ -3,14 +3,24 @@ the memory block of GET /status."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tracemalloc
 
 import httpx2
 import pytest
 import trio
 
+from genrm_trio import wire
 from genrm_trio.config import Config
-from genrm_trio.server.process_memory import Allocator, ProcessMemory, TraceGrowth
+from genrm_trio.server.process_memory import (
+    MMAP_THRESHOLD_BYTES,
+    Allocator,
+    ProcessMemory,
+    TraceGrowth,
+)
 from tests.lifecycle_helpers import body
 from tests.server_helpers import running_server
 
@@ -83,6 +93,64 @@ def test_glibc_allocator_reports_and_trims() -> None:
     assert isinstance(allocator.trim(), bool)
 
 
+_LARGE_BLOCKS = """
+import json, sys
+from genrm_trio.server.process_memory import Allocator, ProcessMemory
+memory = ProcessMemory.open()
+allocator = memory.allocator
+before = allocator.stats()
+first = bytearray(8_000_000)  # mapped (glibc starts at 128 KiB) ...
+del first  # ... and freed: glibc's own threshold would now slide up to 8 MB
+held = [bytearray(3_000_000) for _ in range(2)] + [bytearray(100_000) for _ in range(2)]
+after = allocator.stats()
+del held
+freed = allocator.stats()
+print(json.dumps({"mapped": after["mmapped_blocks"] - before["mmapped_blocks"],
+                  "heap_growth": after["heap_bytes"] - before["heap_bytes"],
+                  "mapped_after_free": freed["mmapped_bytes"] - before["mmapped_bytes"],
+                  "threshold": memory.status()["allocator"]["mmap_threshold_bytes"]}))
+"""
+
+
+def test_large_blocks_are_mapped_one_by_one_and_given_back_when_freed() -> None:
+    """The process's large blocks (bodies, answers) stay out of malloc's heap, whose freed
+    pages would stay resident (issue 26, slow readers: RSS 257-293 MB after the load, 13 MB in
+    use): without the fixed threshold glibc maps the first 8 MB block, then raises its
+    threshold to 8 MB and serves the 3 MB ones from the heap; and it never maps a 100 KB one
+    (a body's 64 KiB reads are copied into blocks like these)."""
+    if Allocator.open() is None:
+        pytest.skip("not glibc")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    done = subprocess.run([sys.executable, "-c", _LARGE_BLOCKS], env=env, check=True,
+                          capture_output=True, text=True, timeout=60)
+    seen = json.loads(done.stdout)
+    assert seen["threshold"] == MMAP_THRESHOLD_BYTES
+    assert seen["mapped"] >= 2  # the 3 MB blocks a mapping each (the 100 KB ones too, unless
+    assert seen["heap_growth"] < 2**20  # the heap had room for them: it does not grow for them)
+    assert seen["mapped_after_free"] <= 0  # and unmapped once freed
+
+
+def test_a_large_answer_holds_its_length_not_msgspecs_buffer() -> None:
+    """An encoded answer counts in max_active_bytes by its length while a slow client takes
+    it; msgspec's own result of an 8 MB body held 12 MB (its buffer's spare capacity)."""
+    allocator = Allocator.open()
+    if allocator is None:
+        pytest.skip("not glibc")
+    member = {"response": {"output": [{"type": "output_text", "text": "x" * 8_000_000}]}}
+
+    def held() -> int:
+        stats = allocator.stats()
+        return stats["in_use_bytes"] + stats["mmapped_bytes"]
+
+    before = held()
+    answer = wire.encode_answer(member)
+    grew = held() - before
+    assert wire.JSON_DECODER.decode(answer) == member
+    assert grew < 1.05 * len(answer)
+    small = wire.encode_answer({"reward": 1.0})
+    assert small == b'{"reward":1.0}'
+
+
 async def test_trace_growth_names_what_grew() -> None:
     trace = TraceGrowth()
     assert (await trace.report()) == {"tracing": False}
@@ -131,3 +199,20 @@ async def test_status_shows_memory_and_every_growing_structure_with_its_bound() 
             assert set(structures[name]) == {"count", "cap", "ttl_s"}, name
         assert structures["metrics_series"]["count"] >= 1
         assert (await client.get("/debug/memory")).json() == {"tracing": False}
+
+
+def test_status_counts_the_frozen_objects_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting the frozen objects walks all of them (5 ms of the event loop in a server):
+    a /status polled every 250 ms must not pay it each time."""
+    import gc
+    import time
+
+    calls: list[int] = []
+    now = [1000.0]
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: calls.append(1) or 7)
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    memory = ProcessMemory(None, interval_s=None)
+    assert [memory.status()["gc"]["frozen"] for _ in range(5)] == [7] * 5
+    assert len(calls) == 1
+    now[0] += 61.0
+    assert memory.status()["gc"]["frozen"] == 7 and len(calls) == 2

@@ -64,28 +64,45 @@ def lean_connections_supported() -> bool:
     return version("hypercorn").startswith(SUPPORTED_HYPERCORN)
 
 
+APP_QUEUE_BODY_BYTES = 65536
+"""Body bytes a request's :class:`AppQueue` takes before :meth:`AppQueue.put` waits for the app
+to read them: one read's worth (Hypercorn reads at most ``MAX_RECV``, 64 KiB, at a time).
+Hypercorn's own queue bounds messages only (``max_app_queue_size``, 10 of up to 64 KiB each),
+so a body the app does not read yet (a large ``/verify`` body waiting for room in
+``max_active_bytes``) held up to 640 KiB in this process per connection, counted nowhere: 100
+of them, 64 MB (the bench's ``slow_readers`` preset)."""
+
+
 class AppQueue:
     """A request's ASGI messages, from Hypercorn's protocol (:meth:`put`) to the app
     (:meth:`get`): what ``trio.open_memory_channel(max_size)`` is in Hypercorn, with the same
-    order, bound and checkpoints, for one receiver at a time (the app task's, or the one task
+    order and checkpoints, for one receiver at a time (the app task's, or the one task
     the app hands ``receive`` to; a second concurrent :meth:`get` raises
-    ``trio.BusyResourceError``). :meth:`put` blocks while ``max_size`` messages are unread."""
+    ``trio.BusyResourceError``). :meth:`put` blocks while ``max_size`` messages, or
+    ``max_body_bytes`` of body (:data:`APP_QUEUE_BODY_BYTES`) or more, are unread; a message
+    of any size goes in once less than that is: the bound delays the connection's reader,
+    it never stops a request."""
 
-    __slots__ = ("_messages", "_max_size", "_receiver", "_room")
+    __slots__ = ("_messages", "_max_size", "_max_body_bytes", "_body_bytes", "_receiver",
+                 "_room")
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, max_body_bytes: int = APP_QUEUE_BODY_BYTES) -> None:
         self._messages: list[ASGIReceiveEvent] = []
         self._max_size = max_size
+        self._max_body_bytes = max_body_bytes
+        self._body_bytes = 0
         self._receiver: trio.lowlevel.Task | None = None
         self._room: trio.Event | None = None  # set when a message is taken off a full queue
 
     async def put(self, message: ASGIReceiveEvent) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
-        while len(self._messages) >= self._max_size:
+        while (len(self._messages) >= self._max_size
+               or self._body_bytes >= self._max_body_bytes):
             if self._room is None:
                 self._room = trio.Event()
             await self._room.wait()
         self._messages.append(message)
+        self._body_bytes += len(message.get("body", b""))  # type: ignore[arg-type]
         receiver, self._receiver = self._receiver, None
         if receiver is not None:
             trio.lowlevel.reschedule(receiver)
@@ -106,6 +123,7 @@ class AppQueue:
 
             await trio.lowlevel.wait_task_rescheduled(abort)
         message = self._messages.pop(0)
+        self._body_bytes -= len(message.get("body", b""))  # type: ignore[arg-type]
         if self._room is not None:
             self._room.set()
             self._room = None
@@ -328,4 +346,5 @@ async def serve(app: Any, config: HypercornConfig, *,
         outer.cancel_scope.cancel()
 
 
-__all__ = ["AppQueue", "LeanTCPServer", "lean_connections_supported", "serve"]
+__all__ = ["APP_QUEUE_BODY_BYTES", "AppQueue", "LeanTCPServer", "lean_connections_supported",
+           "serve"]

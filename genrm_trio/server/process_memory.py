@@ -59,9 +59,27 @@ class _MallInfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+MMAP_THRESHOLD_BYTES = 65536
+"""The default ``malloc_mmap_threshold_bytes``: blocks this large or larger are mapped one by
+one (:meth:`Allocator.set_mmap_threshold`, set by :meth:`ProcessMemory.open` unless the
+environment sets glibc's own ``MALLOC_MMAP_THRESHOLD_``) and given back to the OS when freed.
+glibc starts at 128 KiB but raises its threshold to the size of each mapped block freed (up to
+32 MiB), so after the first large body or answer every later one came from the heap, whose
+freed pages stay resident until a trim; and a large body arrives as 64 KiB reads, each copied
+twice on its way through Hypercorn and h11, which left the heap fragmented. With 100 slow
+readers of 8 MB answers (the bench's ``slow_readers`` preset): glibc's own threshold, RSS
+peak 476-506 MB, 257-293 MB after the load with 13 MB in use; 1 MiB: 373-391 MB peak, 45-62
+MB of it free inside the heap; 64 KiB: 328 MB, under 12 MB free, 67 MB after. An ordinary
+request's body and answer (kilobytes) never reach it."""
+
+
 class Allocator:
     """glibc's malloc, seen and trimmed through ctypes. :meth:`open` returns None where the C
     library is not glibc (>= 2.33 for ``mallinfo2``)."""
+
+    mmap_threshold_bytes: int | None = None  # once set_mmap_threshold has set it
 
     def __init__(self, libc: ctypes.CDLL) -> None:
         self._mallinfo2 = libc.mallinfo2
@@ -70,6 +88,9 @@ class Allocator:
         self._malloc_trim = libc.malloc_trim
         self._malloc_trim.restype = ctypes.c_int
         self._malloc_trim.argtypes = [ctypes.c_size_t]
+        self._mallopt = libc.mallopt
+        self._mallopt.restype = ctypes.c_int
+        self._mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
 
     @classmethod
     def open(cls) -> Allocator | None:
@@ -80,6 +101,7 @@ class Allocator:
             libc = ctypes.CDLL(name)
             libc.mallinfo2  # noqa: B018 - probe: glibc >= 2.33 only
             libc.malloc_trim  # noqa: B018
+            libc.mallopt  # noqa: B018
         except (OSError, AttributeError):
             return None
         return cls(libc)
@@ -98,6 +120,15 @@ class Allocator:
             "top_pad_bytes": int(info.keepcost),
         }
 
+    def set_mmap_threshold(self, size: int) -> bool:
+        """``mallopt(M_MMAP_THRESHOLD, size)``: every block of ``size`` bytes or more gets a
+        mapping of its own, given back to the OS when it is freed, and glibc's sliding
+        threshold is off. True if glibc took it."""
+        taken = bool(self._mallopt(_M_MMAP_THRESHOLD, size))
+        if taken:
+            self.mmap_threshold_bytes = size
+        return taken
+
     def trim(self) -> bool:
         """``malloc_trim(0)``: give free pages of every arena back to the OS. Blocks for as long
         as it walks them (milliseconds on a heap of a few hundred MB). True if any was."""
@@ -113,6 +144,11 @@ interval once a peak has left that much free: a few ms each time, measured cheap
 guess at what is resident. Trimming only after RSS grew since the last trim was tried: a trim
 at the top of a burst set the mark so high that the memory the burst then freed was never
 given back.)"""
+
+
+FROZEN_COUNT_TTL_S = 60.0
+"""How long ``/status`` shows one count of the collector's frozen objects (they are frozen once,
+at start)."""
 
 
 class ProcessMemory:
@@ -134,12 +170,20 @@ class ProcessMemory:
         self.trimmed_bytes = 0  # RSS given back, as seen from outside (before - after)
         self.trim_seconds = 0.0
         self.trim_max_s = 0.0
+        self._frozen: tuple[float, int] | None = None  # (when counted, gc.get_freeze_count())
 
     @classmethod
-    def open(cls, trim_interval_s: float | None = None) -> ProcessMemory:
-        """glibc's allocator if there is one; trims every ``trim_interval_s`` (None: never,
-        as for an app without ``serve``)."""
-        return cls(Allocator.open(), interval_s=trim_interval_s)
+    def open(cls, trim_interval_s: float | None = None,
+             mmap_threshold_bytes: int | None = MMAP_THRESHOLD_BYTES) -> ProcessMemory:
+        """glibc's allocator if there is one, with its mmap threshold fixed at
+        ``mmap_threshold_bytes`` (None, or ``MALLOC_MMAP_THRESHOLD_`` in the environment:
+        glibc's own); trims every ``trim_interval_s`` (None: never, as for an app without
+        ``serve``)."""
+        allocator = Allocator.open()
+        if (allocator is not None and mmap_threshold_bytes is not None
+                and "MALLOC_MMAP_THRESHOLD_" not in os.environ):
+            allocator.set_mmap_threshold(mmap_threshold_bytes)
+        return cls(allocator, interval_s=trim_interval_s)
 
     async def trim_periodically(self) -> None:
         """Every ``interval_s``, :meth:`trim_if_worth_it`: malloc's free pages back to the OS
@@ -173,6 +217,21 @@ class ProcessMemory:
         self.trim_max_s = max(self.trim_max_s, elapsed)
         return True
 
+    def _gc_status(self) -> dict[str, Any]:
+        """The cycle collector: objects waiting in each generation, collections run, objects
+        collected, and the frozen ones (``serve`` freezes what exists at start). Counting the
+        frozen objects walks them all (5 ms for the 59,000 a server freezes, a stall of the
+        event loop on every ``/status``), so the count is taken at most once every
+        :data:`FROZEN_COUNT_TTL_S`."""
+        now = time.monotonic()
+        if self._frozen is None or now - self._frozen[0] >= FROZEN_COUNT_TTL_S:
+            self._frozen = (now, gc.get_freeze_count())
+        stats = gc.get_stats()
+        return {"pending": list(gc.get_count()), "frozen": self._frozen[1],
+                "collections": [s["collections"] for s in stats],
+                "collected": [s["collected"] for s in stats],
+                "uncollectable": sum(s["uncollectable"] for s in stats)}
+
     def status(self) -> dict[str, Any]:
         """The ``memory`` block of ``GET /status``: RSS, the allocator's view, pymalloc's block
         count, the trims so far and, when tracing, tracemalloc's totals. Cheap (no
@@ -181,8 +240,10 @@ class ProcessMemory:
         out: dict[str, Any] = {
             "rss_bytes": self._rss(),
             "python_blocks": sys.getallocatedblocks(),
-            "gc": _gc_status(),
-            "allocator": allocator.stats() if allocator is not None else None,
+            "gc": self._gc_status(),
+            "allocator": {**allocator.stats(),
+                          "mmap_threshold_bytes": allocator.mmap_threshold_bytes}
+            if allocator is not None else None,
             "trim": {"interval_s": self._interval_s, "min_free_bytes": self._min_free_bytes,
                      "trims": self.trims, "trimmed_bytes": self.trimmed_bytes,
                      "total_ms": round(1000 * self.trim_seconds, 3),
@@ -195,16 +256,6 @@ class ProcessMemory:
             out["tracemalloc"] = {"traced_bytes": current, "peak_bytes": peak,
                                   "frames": tracemalloc.get_traceback_limit()}
         return out
-
-
-def _gc_status() -> dict[str, Any]:
-    """The cycle collector: objects waiting in each generation, collections run, objects
-    collected, and the frozen ones (``serve`` freezes what exists at start)."""
-    stats = gc.get_stats()
-    return {"pending": list(gc.get_count()), "frozen": gc.get_freeze_count(),
-            "collections": [s["collections"] for s in stats],
-            "collected": [s["collected"] for s in stats],
-            "uncollectable": sum(s["uncollectable"] for s in stats)}
 
 
 def _growers(new: tracemalloc.Snapshot, old: tracemalloc.Snapshot,

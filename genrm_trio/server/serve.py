@@ -193,7 +193,8 @@ async def _serve_in(
 
         await root.start(partial(serve_probes, probe_socket, lambda: not registry.shutting_down,
                                  after=main_serving, agent=agent_line))
-    process_memory = ProcessMemory.open(cfg.malloc_trim_interval_s)
+    process_memory = ProcessMemory.open(cfg.malloc_trim_interval_s,
+                                        cfg.malloc_mmap_threshold_bytes)
     app = create_app(cfg, registry, judge, metrics, process_memory, mode)
 
     def begin_shutdown() -> None:

@@ -24,10 +24,12 @@ was sent (a 429 answer whole; a reset connection ends early) and closes.
 
 Reported: RSS before the readers, its peak and at the end, the budget, how far the peak went
 past the budget (the goal: at most 100 MB), the most unsent answer bytes ``/status`` reported,
-the resets counted in ``/metrics`` and how the readers' requests ended (429, reset, an answer
-begun but never finished), probe p50/p99/max (the goal: p99 <= 100 ms). A server that does
-not know ``send_timeout_s`` (an older checkout, ``GENRM_BENCH_SERVER_PYTHONPATH``) runs
-without it; the run says so (``send_timeout_s_set`` 0). Ours only.
+the most body bytes reserved, malloc's peak in-use bytes (``/status`` memory.allocator, heap
+and mmapped), the resets counted in ``/metrics`` and how the readers' requests ended (429,
+reset, an answer begun but never finished), probe p50/p99/max (the goal: p99 <= 100 ms). A
+server that does not know ``send_timeout_s`` (an older checkout,
+``GENRM_BENCH_SERVER_PYTHONPATH``) runs without it; the run says so (``send_timeout_s_set``
+0). Ours only.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ def slow_readers_case(
         baseline = loadgen.read_proc_stats(pid).rss_bytes
         rss: list[float] = []
         unsent: list[float] = []
+        bodies: list[float] = []  # reserved body bytes (MiB)
+        heap: list[float] = []  # malloc's in-use bytes, heap and mmapped (MiB)
+        free: list[float] = []  # malloc's free bytes inside its heap (MiB)
         probes: list[tuple[str, float, float, int]] = []
         ends: collections.Counter[str] = collections.Counter()
 
@@ -113,8 +118,14 @@ def slow_readers_case(
             while True:
                 rss.append(loadgen.read_proc_stats(pid).rss_bytes / 2**20)
                 with trio.move_on_after(5.0):
-                    cohorts = (await _status(host, port))["cohorts"]
+                    status = await _status(host, port)
+                    cohorts = status["cohorts"]
                     unsent.append(cohorts.get("unsent_answer_bytes", math.nan) / 2**20)
+                    bodies.append(cohorts.get("body_bytes", math.nan) / 2**20)
+                    allocator = (status.get("memory") or {}).get("allocator") or {}
+                    heap.append((allocator.get("in_use_bytes", math.nan)
+                                 + allocator.get("mmapped_bytes", math.nan)) / 2**20)
+                    free.append(allocator.get("free_bytes", math.nan) / 2**20)
                 await trio.sleep(sample_s)
 
         async def reader() -> None:
@@ -167,6 +178,8 @@ def slow_readers_case(
             "end_rss_mb": rss[-1] if rss else math.nan,
             "peak_over_budget_mb": peak - budget_mb,
             "unsent_peak_mb": max(unsent, default=math.nan),
+            "bodies_peak_mb": max(bodies, default=math.nan),
+            "malloc_in_use_peak_mb": max(heap, default=math.nan),
             "unsent_end_mb": after["cohorts"].get("unsent_answer_bytes", math.nan) / 2**20,
             "send_timeouts": _counter(metrics_text, "genrm_send_timeouts_total"),
             "ended_429": float(ends["429"]),
@@ -181,7 +194,8 @@ def slow_readers_case(
             "load_s": load_s,
         }
         notes = {"ends": dict(ends), "cohorts_after": after.get("cohorts")}
-        samples = {"rss_mb": rss, "unsent_mb": unsent, "probe_ms": took}
+        samples = {"rss_mb": rss, "unsent_mb": unsent, "body_mb": bodies,
+                   "malloc_in_use_mb": heap, "malloc_free_mb": free, "probe_ms": took}
         return RunRecord(metrics, samples, notes)
 
     return Case("slow_readers", label, run, params, kinds=("ours",))
