@@ -650,8 +650,9 @@ class CohortRegistry:
         and guarantees progress; the process then passes the budget by at most that one
         body's share. Not while unsent answers would pass the budget with it: they drain by
         themselves, so it waits for them (:meth:`reserve_body_within`; 100 slow readers of
-        8 MB answers held 31 MB more than the budget through it). ``more``: more bytes of a body that holds a refusable reservation
-        already (chunked, as they arrive; released with it, in one :meth:`release_body`).
+        8 MB answers held 31 MB more than the budget through it). ``more``: more bytes of a
+        body that holds a refusable reservation already (chunked, as they arrive; released
+        with it, in one :meth:`release_body`).
         Synchronous."""
         if not self._body_fits(size, refusable, more):
             return self._body_refused(size)
