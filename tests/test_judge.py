@@ -583,6 +583,7 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
         "cached_tokens": 0,
         "outstanding_tokens": 0,
         "prefix_waits": False,
+        "engine": "unknown",
     }
     assert status["limiter"] == {"in_use": 0, "total": 1024, "waiting": 0,
                                  "order": "complete_group"}
@@ -988,6 +989,7 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                     "cached_tokens": 0,
                     "outstanding_tokens": 0,
                     "prefix_waits": False,
+                    "engine": "unknown",
                 }
                 for u in (URL_A, URL_B)
             ],

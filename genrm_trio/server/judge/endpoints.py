@@ -117,10 +117,11 @@ class Endpoint:
         "queue",
         "grants",
         "sharing",
+        "engine",
     )
 
     def __init__(self, url: str, max_concurrency: int | None = None,
-                 own_slots: bool = False) -> None:
+                 own_slots: bool = False, engine: str = "unknown") -> None:
         self.url = url
         self.split_url = urllib.parse.urlsplit(url)
         self.display = display_url(url)
@@ -145,6 +146,16 @@ class Endpoint:
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens the judge reported found in its prefix cache
         self.sharing = Sharing()
+        # ``judge.engine``, or for ``unknown`` what the endpoint's answers showed it to be
+        # (:meth:`identify`).
+        self.engine = engine
+
+    def identify(self, engine: str | None) -> None:
+        """An answer of this endpoint says which engine serves it (``answers.engine_of``):
+        an ``unknown`` endpoint takes that engine's rule from now on; a configured
+        ``judge.engine`` is never overridden."""
+        if engine is not None and self.engine == "unknown":
+            self.engine = engine
 
     def cooling(self, now: float) -> bool:
         return now < self.cooling_until
@@ -337,8 +348,8 @@ class Endpoints:
         limit = cfg.judge.max_concurrency_per_endpoint
         self.affinity = cfg.judge.routing == "cohort_affinity"
         self._factor = cfg.judge.affinity_spill_factor
-        self._engine = cfg.judge.engine
-        self.all = [Endpoint(u, limit, own_slots=self.affinity) for u in urls]
+        self.all = [Endpoint(u, limit, own_slots=self.affinity, engine=cfg.judge.engine)
+                    for u in urls]
 
     # -- cohort_affinity ------------------------------------------------------------------
 
@@ -444,10 +455,12 @@ class Endpoints:
         endpoint = lease.endpoint
         affinity = lease.affinity
         if (computed and input_tokens > 0 and lease.conversation is not None
-                and self._engine in LEARNS):
+                and endpoint.engine in LEARNS):
             endpoint.sharing.add(lease.conversation == CONCURRENT, cached_tokens, input_tokens)
-            if affinity is not None and affinity.crowd is not None and not affinity.crowd.waits:
-                affinity.crowd.waits = endpoint.sharing.unshared()
+        if (computed and affinity is not None and affinity.crowd is not None
+                and not affinity.crowd.waits):
+            # Learnt (Sharing) or identified from its answers (Endpoint.identify).
+            affinity.crowd.waits = self.prefix_waits(endpoint)
         if affinity is not None and not affinity.closed:
             for key in lease.keys:
                 left = affinity.computing[key] - 1
@@ -538,10 +551,12 @@ class Endpoints:
     def prefix_waits(self, endpoint: Endpoint) -> bool:
         """Whether a duplicate waits at ``endpoint`` (module docstring): ``judge.engine``
         ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` once the endpoint was
-        shown not to share a prefix between concurrent calls (:data:`LEARNS`)."""
-        if self._engine in LEARNS:
+        shown not to share a prefix between concurrent calls (:data:`LEARNS`). An
+        ``unknown`` endpoint whose answers showed it to be llama.cpp's server waits from its
+        first answer on (:meth:`Endpoint.identify`)."""
+        if endpoint.engine in LEARNS:
             return endpoint.sharing.unshared()
-        return self._engine == "llama_cpp"
+        return endpoint.engine == "llama_cpp"
 
     def _grant(self, waiter: SlotWaiter, endpoint: Endpoint,
                moved_from: Endpoint | None = None) -> None:
