@@ -355,7 +355,7 @@ class CohortRegistry:
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
         # Cohorts active, as cohort_affinity's endpoint queues read it (judge/endpoints.py).
-        self._crowd = Crowd(waits=cfg.judge.engine == "llama_cpp")
+        self._crowd = Crowd(waits=cfg.judge.engine != "vllm")
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
         self._duplicate_bytes = 0

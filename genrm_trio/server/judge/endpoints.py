@@ -118,6 +118,7 @@ class Endpoint:
         "grants",
         "sharing",
         "engine",
+        "answered",
     )
 
     def __init__(self, url: str, max_concurrency: int | None = None,
@@ -149,6 +150,9 @@ class Endpoint:
         # ``judge.engine``, or for ``unknown`` what the endpoint's answers showed it to be
         # (:meth:`identify`).
         self.engine = engine
+        # Whether a call of it was answered (computed) yet: until then an ``unknown`` endpoint
+        # is treated as one whose concurrent calls do not share (Endpoints.prefix_waits).
+        self.answered = False
 
     def identify(self, engine: str | None) -> None:
         """An answer of this endpoint says which engine serves it (``answers.engine_of``):
@@ -457,10 +461,12 @@ class Endpoints:
         if (computed and input_tokens > 0 and lease.conversation is not None
                 and endpoint.engine in LEARNS):
             endpoint.sharing.add(lease.conversation == CONCURRENT, cached_tokens, input_tokens)
-        if (computed and affinity is not None and affinity.crowd is not None
-                and not affinity.crowd.waits):
-            # Learnt (Sharing) or identified from its answers (Endpoint.identify).
-            affinity.crowd.waits = self.prefix_waits(endpoint)
+        if computed:
+            endpoint.answered = True
+            if affinity is not None and affinity.crowd is not None:
+                # Learnt (Sharing), identified from its answers (Endpoint.identify), or no
+                # longer unheard of.
+                affinity.crowd.waits = self.any_prefix_waits()
         if affinity is not None and not affinity.closed:
             for key in lease.keys:
                 left = affinity.computing[key] - 1
@@ -555,8 +561,17 @@ class Endpoints:
         ``unknown`` endpoint whose answers showed it to be llama.cpp's server waits from its
         first answer on (:meth:`Endpoint.identify`)."""
         if endpoint.engine in LEARNS:
-            return endpoint.sharing.unshared()
+            return not endpoint.answered or endpoint.sharing.unshared()
         return endpoint.engine == "llama_cpp"
+
+    def any_prefix_waits(self) -> bool:
+        """Whether prefix waits pay on some endpoint that has answered (:class:`Crowd`
+        ``waits``, the registry's warm-up call); True while none has answered, unless
+        ``judge.engine`` is ``vllm``."""
+        heard = [e for e in self.all if e.answered]
+        if not heard:
+            return any(self.prefix_waits(e) for e in self.all)
+        return any(self.prefix_waits(e) for e in heard)
 
     def _grant(self, waiter: SlotWaiter, endpoint: Endpoint,
                moved_from: Endpoint | None = None) -> None:
