@@ -51,12 +51,17 @@ only adds a judge round trip. ``judge.engine`` chooses: ``llama_cpp`` waits, ``v
 does; ``sglang`` learns as ``unknown`` does (its scheduler holds back a waiting call whose
 prefix another waiting call has, but only under its cache-aware ``--schedule-policy lpm`` with
 at most 128 calls waiting, schedule_policy.py; under ``fcfs`` concurrent calls each compute it);
-``unknown`` (the default) waits on an endpoint only once its cached-token accounting has shown that
-concurrent calls on one conversation do not share it (:class:`Sharing`: over at least
-:data:`EVIDENCE_CALLS` answered calls of each kind, the cached share of the prompt of calls that
-started while their conversation was being computed there stays under :data:`SHARED_FRACTION`
-of the share of calls that found it warm). Until then it routes with affinity but never waits,
-so it is never slower than ``least_loaded`` where affinity saves nothing.
+``unknown`` (the default) learns it per endpoint. Until the endpoint's first answer nothing is
+known, so it waits as ``llama_cpp`` does (one judge round trip, once per endpoint and process:
+the first wave of calls then opens one conversation per slot instead of computing one
+conversation in every slot). An answer that carries llama.cpp's ``timings`` makes it
+``llama_cpp`` (:meth:`Endpoint.identify`). Otherwise it waits only once its cached-token
+accounting has shown that concurrent calls on one conversation do not share it
+(:class:`Sharing`: over at least :data:`EVIDENCE_CALLS` answered calls of each kind, the cached
+share of the prompt of calls that started while their conversation was being computed there
+stays under :data:`SHARED_FRACTION` of the share of calls that found it warm); until then it
+routes with affinity but does not wait, so past its first answer it is never slower than
+``least_loaded`` where affinity saves nothing.
 """
 
 from __future__ import annotations
@@ -228,8 +233,8 @@ class Crowd:
     """How many cohorts the registry holds (collecting or judging), shared by their
     :class:`Affinity`: more work is coming when this is more than one cohort per endpoint.
     Owned by the registry, which sets ``cohorts``. ``waits``: prefix waits pay on some endpoint
-    (``judge.engine: llama_cpp``, or one shown not to share, set by :class:`Endpoints`): the
-    registry's warm-up call reads it."""
+    (:meth:`Endpoints.any_prefix_waits`, set after every answered call): the registry's
+    warm-up call reads it."""
 
     __slots__ = ("cohorts", "waits")
 
@@ -556,10 +561,10 @@ class Endpoints:
 
     def prefix_waits(self, endpoint: Endpoint) -> bool:
         """Whether a duplicate waits at ``endpoint`` (module docstring): ``judge.engine``
-        ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` once the endpoint was
-        shown not to share a prefix between concurrent calls (:data:`LEARNS`). An
-        ``unknown`` endpoint whose answers showed it to be llama.cpp's server waits from its
-        first answer on (:meth:`Endpoint.identify`)."""
+        ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` until the endpoint's
+        first answer and once it was shown not to share a prefix between concurrent calls
+        (:data:`LEARNS`). An ``unknown`` endpoint whose answers showed it to be llama.cpp's
+        server waits from its first answer on (:meth:`Endpoint.identify`)."""
         if endpoint.engine in LEARNS:
             return not endpoint.answered or endpoint.sharing.unshared()
         return endpoint.engine == "llama_cpp"
