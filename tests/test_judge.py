@@ -582,7 +582,10 @@ async def test_outer_cancel_aborts_call_in_flight(autojump_clock: trio.testing.M
         "output_tokens": 0,
         "cached_tokens": 0,
         "outstanding_tokens": 0,
-        "prefix_waits": False,
+        # the call was cancelled, never answered: nothing is known of the engine yet, so a
+        # duplicate would wait there (judge/endpoints.py prefix_waits)
+        "prefix_waits": True,
+        "engine": "unknown",
     }
     assert status["limiter"] == {"in_use": 0, "total": 1024, "waiting": 0,
                                  "order": "complete_group"}
@@ -987,7 +990,8 @@ async def test_http_status_snapshot(autojump_clock: trio.testing.MockClock) -> N
                     "output_tokens": 0,
                     "cached_tokens": 0,
                     "outstanding_tokens": 0,
-                    "prefix_waits": False,
+                    "prefix_waits": True,  # nothing answered there yet
+                    "engine": "unknown",
                 }
                 for u in (URL_A, URL_B)
             ],

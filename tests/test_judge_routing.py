@@ -218,10 +218,13 @@ def pair(group: int, i: int, j: int) -> JudgeRequest:
     # an engine that shares a prefix between the calls it runs: waiting would only add a
     # round trip, so every call goes at once however crowded
     ("vllm", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
-    # unknown / sglang, and nothing yet shows it does not share (these fakes report no cached
-    # tokens)
-    ("sglang", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
-    ("unknown", 4, [0.0, 0.0, 0.0, 0.0, 0.0]),
+    # unknown / sglang: until the endpoint's first answer nothing is known of it, so the
+    # duplicates of (0, 1) wait for it as with llama_cpp; from then on nothing shows that it
+    # does not share (these fakes report no cached tokens), so (1, 3) no longer waits
+    ("sglang", 4, [0.0, 1.0, 1.0, 1.0, 1.0]),
+    ("unknown", 4, [0.0, 1.0, 1.0, 1.0, 1.0]),
+    # the same with one cohort: nothing else would use the free slots
+    ("unknown", 1, [0.0, 0.0, 0.0, 0.0, 0.0]),
 ])
 async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_other_calls_go(
     autojump_clock: trio.testing.MockClock, engine: str, cohorts: int, starts: list[float],
@@ -306,11 +309,64 @@ async def test_unknown_engine_waits_only_once_its_cached_tokens_show_concurrent_
                 starts.append([t - first for t, *_ in fakes.calls[begun:]])
                 await judge.judge_pair(pair(g, 2, 3), group)
     assert set(fakes.hosts) == {"judge-a.test"}
-    # No waits before the evidence: the first cohort's calls all went at once.
-    assert starts[0] == [0.0] * 5
+    # Before its first answer the endpoint is not known: the first call went alone, then (the
+    # first answer told nothing) the rest at once, each finding the conversation warm.
+    assert starts[0] == [0.0] + [1.0] * 4
     # Evidence from cohorts 0..7 (4 concurrent calls and 1 warm each): cohort 8 follows it.
     assert sorted(starts[EVIDENCE]) == later
     assert shared_crowd.waits is not shared
+
+
+class LlamaCppEndpoints(Endpoints):
+    """Fake judges that answer in llama.cpp's server's shape: a ``timings`` object beside
+    ``usage`` (``prompt_n`` computed, ``cache_n`` reused)."""
+
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        reply = (await super().__call__(request)).json()
+        reply["timings"] = {"prompt_n": 100, "cache_n": 0, "prompt_ms": 50.0,
+                            "predicted_n": 5, "predicted_ms": 10.0}
+        return httpx2.Response(200, json=reply)
+
+
+@pytest.mark.parametrize(("engine", "later", "identified"), [
+    # unknown: the first answer shows llama.cpp's server; later cohorts' duplicates wait
+    ("unknown", [0.0, 1.0, 1.0, 1.0, 2.0], "llama_cpp"),
+    # a configured engine is never overridden by what the answers look like
+    ("vllm", [0.0, 0.0, 0.0, 0.0, 0.0], "vllm"),
+])
+async def test_an_unknown_endpoint_that_answers_as_llama_cpp_takes_its_rule_at_once(
+    autojump_clock: trio.testing.MockClock, engine: str, later: list[float], identified: str,
+) -> None:
+    fakes = LlamaCppEndpoints()
+    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
+                                      engine=engine),  # type: ignore[arg-type]
+                    genrm_parse_retry_sleep_s=0.0)
+    pairs = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))
+    shared_crowd = crowd(4)
+    starts: list[list[float]] = []
+    statuses = []
+    with trio.fail_after(600):
+        async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+            statuses.append(judge.status()["endpoints"][0])
+            for g in range(2):
+                group = Group(shared_crowd)
+                begun = len(fakes.calls)
+                async with trio.open_nursery() as nursery:
+                    for i, j in pairs:
+                        nursery.start_soon(judge.judge_pair, pair(g, i, j), group)
+                        await trio.testing.wait_all_tasks_blocked()
+                first = min(t for t, *_ in fakes.calls[begun:])
+                starts.append([t - first for t, *_ in fakes.calls[begun:]])
+            statuses.append(judge.status()["endpoints"][0])
+    # Before any answer nothing is known: an unknown endpoint waits as llama_cpp does until
+    # then, and from its first answer on because that answer showed llama.cpp's server.
+    assert sorted(starts[0]) == later
+    assert sorted(starts[1]) == later
+    assert statuses[0]["engine"] == engine
+    assert statuses[0]["prefix_waits"] is (engine == "unknown")
+    assert statuses[1]["engine"] == identified
+    assert statuses[1]["prefix_waits"] is (identified == "llama_cpp")
+    assert shared_crowd.waits is (identified == "llama_cpp")
 
 
 def one_endpoint(slots: int) -> Config:

@@ -98,9 +98,15 @@ async def run_cohort(cfg: Config, judge: Any) -> list[float]:
 @pytest.mark.parametrize(("engine", "warm_up"), [
     ("llama_cpp", True),
     # an engine that shares prefixes between the calls it runs (vllm): a warm-up only adds a
-    # round trip; sglang / unknown: nothing has shown that concurrent calls do not share (the
-    # in-process judge reports no cached tokens)
-    ("vllm", False), ("sglang", False), ("unknown", False),
+    # round trip
+    ("vllm", False),
+    # sglang / unknown before any judge endpoint has answered: nothing is known of it yet, so
+    # as llama_cpp
+    ("sglang", True), ("unknown", True),
+    # ... and once an endpoint answered without showing that its concurrent calls do not share
+    # (judge/endpoints.py sets the registry's Crowd.waits then; the in-process judge here has
+    # no endpoints, so the test sets it)
+    ("unknown, answered", False), ("sglang, answered", False),
     # unknown once an endpoint's cached tokens showed concurrent calls do not share a prefix
     # (judge/endpoints.py sets the registry's Crowd.waits then): the warm-up, as llama_cpp
     ("unknown, shown not to share", True), ("sglang, shown not to share", True),
@@ -116,9 +122,11 @@ async def test_with_two_cohorts_per_judge_affinity_sends_one_warm_up_call_then_t
     judge = TimedJudge()
     n = cfg.num_rollouts_per_prompt
     async with open_registry(cfg, judge) as registry, trio.open_nursery() as nursery:
-        assert registry._crowd.waits is (engine == "llama_cpp")
+        assert registry._crowd.waits is (engine != "vllm")
         if "shown" in engine:
             registry._crowd.waits = True
+        elif "answered" in engine:
+            registry._crowd.waits = False
         outcomes = Outcomes(registry, nursery)
         for slot in range(n):
             for c in range(2):

@@ -78,7 +78,8 @@ def _default_out_dir() -> Path:
     help="Shape the economy preset (repeatable): cache (off, small, large or a token count per "
     "mock judge), endpoints, cohorts (comma list), strategies (comma list), n, capacity, "
     "replaced (comma list), prompt_token_s, output_token_s, latency_ms, spill_factor, engine "
-    "(the mock's per_call or batched), step_tokens, judge_engine (the server's judge.engine).",
+    "(the mock's per_call or batched), step_tokens, judge_engine (the server's judge.engine), "
+    "cache_report (the mock's: usage, timings, both, none).",
 )
 @click.option(
     "--soak",

@@ -355,7 +355,7 @@ class CohortRegistry:
         self._nursery = nursery
         self._active: dict[identity.CohortKey, Cohort] = {}
         # Cohorts active, as cohort_affinity's endpoint queues read it (judge/endpoints.py).
-        self._crowd = Crowd(waits=cfg.judge.engine == "llama_cpp")
+        self._crowd = Crowd(waits=cfg.judge.engine != "vllm")
         self._active_by_group: dict[str, dict[int, Cohort]] = {}
         self._active_bytes = 0
         self._duplicate_bytes = 0
@@ -406,7 +406,8 @@ class CohortRegistry:
         # One warm-up judge call per cohort before the rest (_start_ready_pairs).
         # (Only for judge endpoints: the built-in judge and plugins have no prefix cache here.)
         # Not on an engine that shares prefixes between concurrent calls (judge.engine: vllm),
-        # and with unknown / sglang only once an endpoint has shown it does not (Crowd.waits).
+        # and with unknown / sglang only until the first judge answer and once an endpoint has
+        # shown it does not (Crowd.waits, set by judge/endpoints.py).
         self._warm_up = (cfg.judge.routing == "cohort_affinity" and bool(cfg.judge.base_urls)
                          and cfg.judge.max_concurrency_per_endpoint is None
                          and cfg.judge.engine != "vllm")

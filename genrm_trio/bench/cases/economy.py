@@ -70,6 +70,8 @@ JUDGE_ENGINES = ("unknown", "vllm", "sglang", "llama_cpp")
 STRATEGIES = ("circular", "all_pairs")
 PROMPT_CHARS = 6000  # about 1,500 tokens at 4 characters a token
 ANSWER_CHARS = (760, 840)  # about 200 tokens
+#: The mock judges' ``cache_report`` values (genrm_trio.mock.settings).
+CACHE_REPORTS = ("usage", "timings", "both", "none")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,9 @@ class EconomyParams:
     engine: str = "per_call"  # the mock judges' time model (genrm_trio.mock.engine)
     step_tokens: int = 8192  # batched engine: prompt tokens per step (max_num_batched_tokens)
     judge_engine: str = "unknown"  # the server's judge.engine (which prefix waits it makes)
+    # how the mock judges report cached tokens (genrm_trio.mock.settings): ``usage`` as
+    # OpenAI/vLLM do, ``both`` as llama.cpp's server does (usage and its own ``timings``)
+    cache_report: str = "usage"
 
     def __post_init__(self) -> None:
         try:
@@ -115,6 +120,8 @@ class EconomyParams:
             raise ValueError(f"engine: one of {', '.join(ENGINE_KINDS)}")
         if self.judge_engine not in JUDGE_ENGINES:
             raise ValueError(f"judge_engine: one of {', '.join(JUDGE_ENGINES)} (judge.engine)")
+        if self.cache_report not in CACHE_REPORTS:
+            raise ValueError(f"cache_report: one of {', '.join(CACHE_REPORTS)}")
         if not 1 <= self.step_tokens <= MAX_STEP_TOKENS:
             raise ValueError(f"step_tokens: in 1..{MAX_STEP_TOKENS} (the mock's "
                              "engine_step_tokens)")
@@ -145,7 +152,7 @@ def parse_economy_overrides(items: Iterable[str],
         if key in _LIST_KEYS:
             parts = tuple(v.strip() for v in value.split(",") if v.strip())
             return parts if key == "strategies" else tuple(int(v) for v in parts)
-        if key in ("cache", "engine", "judge_engine"):
+        if key in ("cache", "engine", "judge_engine", "cache_report"):
             return value.strip()
         if key in ("n", "endpoints", "capacity", "step_tokens"):
             return int(value)
@@ -256,7 +263,8 @@ def _mock_command(params: EconomyParams) -> list[str]:
             "--prefix-cache", str(params.cache_tokens),
             "--set", f"prompt_token_s={params.prompt_token_s:.9f}",
             "--set", f"output_token_s={params.output_token_s:.9f}",
-            "--set", f"engine={params.engine}", "--set", f"engine_step_tokens={params.step_tokens}"]
+            "--set", f"engine={params.engine}", "--set", f"engine_step_tokens={params.step_tokens}",
+            "--set", f"cache_report={params.cache_report}"]
 
 
 def _server_command(urls: Sequence[str], params: EconomyParams, strategy: str,
@@ -413,6 +421,8 @@ def economy_cases(params: EconomyParams | None = None) -> list[Case]:
             name += f"-{params.engine}"
         if params.judge_engine != "unknown":
             name += f"-{params.judge_engine}"
+        if params.cache_report != "usage":
+            name += f"-report_{params.cache_report}"
 
         async def run(ctx: BenchContext, kind: str, tag: str) -> RunRecord:
             metrics: dict[str, float] = {}

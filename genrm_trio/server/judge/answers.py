@@ -121,6 +121,19 @@ def cached_of(body: Any) -> tuple[int, int]:
     return cached, prompt
 
 
+def engine_of(body: Any) -> str | None:
+    """The ``judge.engine`` an answer shows its server to be, None when it does not tell:
+    ``llama_cpp`` for llama.cpp's server, the one OpenAI-compatible server that puts its own
+    ``timings`` object (``prompt_n``, ``prompt_ms``, ``predicted_n``, ... and ``cache_n``)
+    beside ``usage`` in every answer. vLLM and SGLang answer in OpenAI's shape alone, and
+    ``unknown`` already follows the rule that suits them until an endpoint is shown not to
+    share (endpoints.py), so nothing is read for them. Never raises."""
+    timings = body.get("timings") if isinstance(body, dict) else None
+    if isinstance(timings, dict) and "prompt_n" in timings:
+        return "llama_cpp"
+    return None
+
+
 def non_blank(text: str) -> str:
     """``text`` itself; raises :class:`AttemptFailed` when it is blank."""
     if not text.strip():

@@ -51,12 +51,17 @@ only adds a judge round trip. ``judge.engine`` chooses: ``llama_cpp`` waits, ``v
 does; ``sglang`` learns as ``unknown`` does (its scheduler holds back a waiting call whose
 prefix another waiting call has, but only under its cache-aware ``--schedule-policy lpm`` with
 at most 128 calls waiting, schedule_policy.py; under ``fcfs`` concurrent calls each compute it);
-``unknown`` (the default) waits on an endpoint only once its cached-token accounting has shown that
-concurrent calls on one conversation do not share it (:class:`Sharing`: over at least
-:data:`EVIDENCE_CALLS` answered calls of each kind, the cached share of the prompt of calls that
-started while their conversation was being computed there stays under :data:`SHARED_FRACTION`
-of the share of calls that found it warm). Until then it routes with affinity but never waits,
-so it is never slower than ``least_loaded`` where affinity saves nothing.
+``unknown`` (the default) learns it per endpoint. Until the endpoint's first answer nothing is
+known, so it waits as ``llama_cpp`` does (one judge round trip, once per endpoint and process:
+the first wave of calls then opens one conversation per slot instead of computing one
+conversation in every slot). An answer that carries llama.cpp's ``timings`` makes it
+``llama_cpp`` (:meth:`Endpoint.identify`). Otherwise it waits only once its cached-token
+accounting has shown that concurrent calls on one conversation do not share it
+(:class:`Sharing`: over at least :data:`EVIDENCE_CALLS` answered calls of each kind, the cached
+share of the prompt of calls that started while their conversation was being computed there
+stays under :data:`SHARED_FRACTION` of the share of calls that found it warm); until then it
+routes with affinity but does not wait, so past its first answer it is never slower than
+``least_loaded`` where affinity saves nothing.
 """
 
 from __future__ import annotations
@@ -117,10 +122,12 @@ class Endpoint:
         "queue",
         "grants",
         "sharing",
+        "engine",
+        "answered",
     )
 
     def __init__(self, url: str, max_concurrency: int | None = None,
-                 own_slots: bool = False) -> None:
+                 own_slots: bool = False, engine: str = "unknown") -> None:
         self.url = url
         self.split_url = urllib.parse.urlsplit(url)
         self.display = display_url(url)
@@ -145,6 +152,19 @@ class Endpoint:
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens the judge reported found in its prefix cache
         self.sharing = Sharing()
+        # ``judge.engine``, or for ``unknown`` what the endpoint's answers showed it to be
+        # (:meth:`identify`).
+        self.engine = engine
+        # Whether a call of it was answered (computed) yet: until then an ``unknown`` endpoint
+        # is treated as one whose concurrent calls do not share (Endpoints.prefix_waits).
+        self.answered = False
+
+    def identify(self, engine: str | None) -> None:
+        """An answer of this endpoint says which engine serves it (``answers.engine_of``):
+        an ``unknown`` endpoint takes that engine's rule from now on; a configured
+        ``judge.engine`` is never overridden."""
+        if engine is not None and self.engine == "unknown":
+            self.engine = engine
 
     def cooling(self, now: float) -> bool:
         return now < self.cooling_until
@@ -213,8 +233,8 @@ class Crowd:
     """How many cohorts the registry holds (collecting or judging), shared by their
     :class:`Affinity`: more work is coming when this is more than one cohort per endpoint.
     Owned by the registry, which sets ``cohorts``. ``waits``: prefix waits pay on some endpoint
-    (``judge.engine: llama_cpp``, or one shown not to share, set by :class:`Endpoints`): the
-    registry's warm-up call reads it."""
+    (:meth:`Endpoints.any_prefix_waits`, set after every answered call): the registry's
+    warm-up call reads it."""
 
     __slots__ = ("cohorts", "waits")
 
@@ -337,8 +357,8 @@ class Endpoints:
         limit = cfg.judge.max_concurrency_per_endpoint
         self.affinity = cfg.judge.routing == "cohort_affinity"
         self._factor = cfg.judge.affinity_spill_factor
-        self._engine = cfg.judge.engine
-        self.all = [Endpoint(u, limit, own_slots=self.affinity) for u in urls]
+        self.all = [Endpoint(u, limit, own_slots=self.affinity, engine=cfg.judge.engine)
+                    for u in urls]
 
     # -- cohort_affinity ------------------------------------------------------------------
 
@@ -444,10 +464,14 @@ class Endpoints:
         endpoint = lease.endpoint
         affinity = lease.affinity
         if (computed and input_tokens > 0 and lease.conversation is not None
-                and self._engine in LEARNS):
+                and endpoint.engine in LEARNS):
             endpoint.sharing.add(lease.conversation == CONCURRENT, cached_tokens, input_tokens)
-            if affinity is not None and affinity.crowd is not None and not affinity.crowd.waits:
-                affinity.crowd.waits = endpoint.sharing.unshared()
+        if computed:
+            endpoint.answered = True
+            if affinity is not None and affinity.crowd is not None:
+                # Learnt (Sharing), identified from its answers (Endpoint.identify), or no
+                # longer unheard of.
+                affinity.crowd.waits = self.any_prefix_waits()
         if affinity is not None and not affinity.closed:
             for key in lease.keys:
                 left = affinity.computing[key] - 1
@@ -537,11 +561,22 @@ class Endpoints:
 
     def prefix_waits(self, endpoint: Endpoint) -> bool:
         """Whether a duplicate waits at ``endpoint`` (module docstring): ``judge.engine``
-        ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` once the endpoint was
-        shown not to share a prefix between concurrent calls (:data:`LEARNS`)."""
-        if self._engine in LEARNS:
-            return endpoint.sharing.unshared()
-        return self._engine == "llama_cpp"
+        ``llama_cpp`` always, ``vllm`` never, ``unknown`` / ``sglang`` until the endpoint's
+        first answer and once it was shown not to share a prefix between concurrent calls
+        (:data:`LEARNS`). An ``unknown`` endpoint whose answers showed it to be llama.cpp's
+        server waits from its first answer on (:meth:`Endpoint.identify`)."""
+        if endpoint.engine in LEARNS:
+            return not endpoint.answered or endpoint.sharing.unshared()
+        return endpoint.engine == "llama_cpp"
+
+    def any_prefix_waits(self) -> bool:
+        """Whether prefix waits pay on some endpoint that has answered (:class:`Crowd`
+        ``waits``, the registry's warm-up call); True while none has answered, unless
+        ``judge.engine`` is ``vllm``."""
+        heard = [e for e in self.all if e.answered]
+        if not heard:
+            return any(self.prefix_waits(e) for e in self.all)
+        return any(self.prefix_waits(e) for e in heard)
 
     def _grant(self, waiter: SlotWaiter, endpoint: Endpoint,
                moved_from: Endpoint | None = None) -> None:

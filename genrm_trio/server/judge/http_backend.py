@@ -15,6 +15,7 @@ from genrm_trio.config import Config
 from genrm_trio.server.judge.answers import (
     cached_of,
     chat_answer,
+    engine_of,
     error_snippet,
     responses_answer,
     usage_of,
@@ -178,6 +179,7 @@ class HttpBackend:
             endpoint.input_tokens += input_tokens
             endpoint.output_tokens += output_tokens
             endpoint.cached_tokens += cached_tokens
+            endpoint.identify(engine_of(body))
             try:
                 return self._extract(body)
             except AttemptFailed as exc:
@@ -207,6 +209,7 @@ class HttpBackend:
                     "cached_tokens": e.cached_tokens,
                     "outstanding_tokens": e.outstanding_tokens,
                     "prefix_waits": self._endpoints.affinity and self._endpoints.prefix_waits(e),
+                    "engine": e.engine,
                 }
                 for e in self._endpoints.all
             ],
