@@ -251,6 +251,28 @@ async def test_with_many_cohorts_a_shared_prefix_is_computed_once_before_its_oth
                for e in status["endpoints"])
 
 
+FIVE_PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))
+
+
+def one_url(engine: str) -> Config:
+    """One judge URL under cohort_affinity with ``judge.engine`` (its evidence is its own)."""
+    return Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
+                                    engine=engine),  # type: ignore[arg-type]
+                  genrm_parse_retry_sleep_s=0.0)
+
+
+async def five_at_once(judge: Any, fakes: Endpoints, g: int, group: Group) -> list[float]:
+    """Issue group ``g``'s :data:`FIVE_PAIRS` at once (in this order) and wait for them; each
+    call's start relative to the first."""
+    begun = len(fakes.calls)
+    async with trio.open_nursery() as nursery:
+        for i, j in FIVE_PAIRS:
+            nursery.start_soon(judge.judge_pair, pair(g, i, j), group)
+            await trio.testing.wait_all_tasks_blocked()
+    first = min(t for t, *_ in fakes.calls[begun:])
+    return [t - first for t, *_ in fakes.calls[begun:]]
+
+
 class CachingEndpoints(Endpoints):
     """Fake judges with a prefix cache per host that report ``cached_tokens``: a call finds its
     conversation cached (80 of its 100 prompt tokens) once a call with it has ended there
@@ -287,26 +309,16 @@ async def test_unknown_engine_waits_only_once_its_cached_tokens_show_concurrent_
     autojump_clock: trio.testing.MockClock, shared: bool, later: list[float], engine: str,
 ) -> None:
     fakes = CachingEndpoints(shared)
-    # One endpoint (its evidence is its own)
-    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
-                                      engine=engine),  # type: ignore[arg-type]
-                    genrm_parse_retry_sleep_s=0.0)
-    pairs = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))
     shared_crowd = crowd(4)
     starts: list[list[float]] = []
     with trio.fail_after(600):
-        async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        async with open_judge(one_url(engine), transport=transport(fakes),
+                              rng=MaxRng()) as judge:
             # Each cohort: its five calls at once (four start while the first computes the
             # conversation), then one more that finds it warm.
             for g in range(EVIDENCE + 1):
                 group = Group(shared_crowd)
-                begun = len(fakes.calls)
-                async with trio.open_nursery() as nursery:
-                    for i, j in pairs:
-                        nursery.start_soon(judge.judge_pair, pair(g, i, j), group)
-                        await trio.testing.wait_all_tasks_blocked()
-                first = min(t for t, *_ in fakes.calls[begun:])
-                starts.append([t - first for t, *_ in fakes.calls[begun:]])
+                starts.append(await five_at_once(judge, fakes, g, group))
                 await judge.judge_pair(pair(g, 2, 3), group)
     assert set(fakes.hosts) == {"judge-a.test"}
     # Before its first answer the endpoint is not known: the first call went alone, then (the
@@ -338,25 +350,15 @@ async def test_an_unknown_endpoint_that_answers_as_llama_cpp_takes_its_rule_at_o
     autojump_clock: trio.testing.MockClock, engine: str, later: list[float], identified: str,
 ) -> None:
     fakes = LlamaCppEndpoints()
-    config = Config(judge=JudgeConfig(base_urls=(URL_A,), routing="cohort_affinity",
-                                      engine=engine),  # type: ignore[arg-type]
-                    genrm_parse_retry_sleep_s=0.0)
-    pairs = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3))
     shared_crowd = crowd(4)
     starts: list[list[float]] = []
     statuses = []
     with trio.fail_after(600):
-        async with open_judge(config, transport=transport(fakes), rng=MaxRng()) as judge:
+        async with open_judge(one_url(engine), transport=transport(fakes),
+                              rng=MaxRng()) as judge:
             statuses.append(judge.status()["endpoints"][0])
             for g in range(2):
-                group = Group(shared_crowd)
-                begun = len(fakes.calls)
-                async with trio.open_nursery() as nursery:
-                    for i, j in pairs:
-                        nursery.start_soon(judge.judge_pair, pair(g, i, j), group)
-                        await trio.testing.wait_all_tasks_blocked()
-                first = min(t for t, *_ in fakes.calls[begun:])
-                starts.append([t - first for t, *_ in fakes.calls[begun:]])
+                starts.append(await five_at_once(judge, fakes, g, Group(shared_crowd)))
             statuses.append(judge.status()["endpoints"][0])
     # Before any answer nothing is known: an unknown endpoint waits as llama_cpp does until
     # then, and from its first answer on because that answer showed llama.cpp's server.
