@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from genrm_trio import wire
 from genrm_trio.config import Config
@@ -87,6 +89,24 @@ def test_the_count_bounds_the_decoded_values_and_keys() -> None:
     for raw in (verify_body([0, 1]), enc({"a": [[], {}, [{}], {"b": {"c": []}}], "d": ""}),
                 enc(["x", 1, 2.5, None, True, {"k": "v"}]), enc({"k\"": ['"', "\\"]})):
         assert decoded(msgspec.json.decode(raw)) <= wire.json_value_count(raw)
+
+
+@settings(max_examples=500)
+@given(st.one_of(st.binary(max_size=300),
+                 st.text(alphabet='{}[]",:\\eEtruefalsn0-1. ', max_size=300).map(str.encode)))
+def test_the_quick_bound_is_never_below_the_count(raw: bytes) -> None:
+    # The quick check (bodies of at most 64 KiB) lets a body through on this bound alone: it
+    # must never be less than the exact count, whatever the bytes.
+    assert wire._value_count_bound(raw) >= wire.json_value_count(raw)
+
+
+def test_a_small_body_past_the_bound_is_counted_exactly() -> None:
+    # Past the quick bound, the exact count decides: strings full of 'e' pass, exponents do not.
+    text = enc({"x": "e" * 20_000})
+    assert wire._value_count_bound(text) > 1_000_000 and wire.json_value_count(text) == 10
+    assert wire.run_steps(wire.check_json_values_steps(text, 1000)) == 10
+    with pytest.raises(TooManyValues):
+        wire.run_steps(wire.check_json_values_steps(enc([1e300] * 10), 1000))
 
 
 def test_strings_past_the_bound_stop_the_count_early() -> None:
@@ -289,6 +309,18 @@ async def test_a_big_body_lets_the_loop_run_between_its_steps() -> None:
             await app_mod.run_stepped(wire.decode_verify_steps(big, 2, max_values=1000),
                                       len(big))
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("raw", "duplicated"), [
+    (b'{"response": {}, "response": {}}', "response"),
+    (b'{"_ng_group_id" : "a", "x": 1, "_ng_group_id":\n "b"}', "_ng_group_id"),
+    (b'{"response": {"object": "response"}, "x": "\\n"}', None),  # a value, not a key
+    (b'{"response": {"response": 1}}', None),  # only the top level counts
+    (b'{"response": {}, "\\u0072esponse": {}}', "response"),
+    (b'{"response": {}, "x": "\\u0072esponse"}', None),
+])
+def test_a_small_body_names_a_key_twice_or_not(raw: bytes, duplicated: str | None) -> None:
+    assert wire._duplicated_key(raw) == duplicated
 
 
 def test_a_duplicated_key_is_found_across_the_scan_windows() -> None:
