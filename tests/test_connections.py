@@ -141,7 +141,9 @@ class WaitingApp:
                     return
         while (await receive()).get("more_body", False):
             pass
-        if scope["path"] == "/now":
+        if scope["path"] == "/slow":  # busy longer than any keep-alive timeout here
+            await trio.sleep(100)
+        if scope["path"] in ("/now", "/slow"):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
@@ -251,6 +253,74 @@ async def test_keep_alive_answers_on_one_connection() -> None:
                         conn.send(h11.Request(method="POST", target="/now",
                                               headers=[("Host", host), ("Content-Length", "0")]))
                         + conn.send(h11.EndOfMessage()))
+
+
+async def next_request(stream: trio.SocketStream, conn: h11.Connection, host: str,
+                       path: str) -> None:
+    conn.start_next_cycle()
+    await stream.send_all(conn.send(h11.Request(
+        method="POST", target=path, headers=[("Host", host), ("Content-Length", "0")]))
+        + conn.send(h11.EndOfMessage()))
+
+
+async def test_an_idle_connection_closes_after_the_keep_alive_timeout(
+        autojump_clock: trio.abc.Clock) -> None:
+    """The keep-alive timer (the read loop's deadline while idle, no task of its own): an
+    idle connection is closed ``keep_alive_timeout`` after its last answer, not sooner, and
+    not while a request is in progress, however long it takes."""
+    app = WaitingApp()
+    with trio.fail_after(1000):  # the mock clock's: a connection never closed fails here
+        await keep_alive_then_close(app)
+
+
+async def keep_alive_then_close(app: WaitingApp) -> None:
+    async with serving(app, hypercorn_config(keep_alive_timeout=30)) as (host, port):
+        stream, conn = await send_request(host, port, "/now")
+        async with stream:
+            assert (await read_answer(stream, conn) or (0,))[0] == 200
+            await trio.sleep(29)  # idle, nearly the whole timeout: still open
+            await next_request(stream, conn, host, "/slow")
+            started = trio.current_time()
+            assert (await read_answer(stream, conn) or (0,))[0] == 200
+            assert trio.current_time() - started >= 100  # busy for 100 s: never cut
+            idle_from = trio.current_time()
+            conn.start_next_cycle()
+            assert await read_answer(stream, conn) is None  # then closed by the server
+            assert 30 <= trio.current_time() - idle_from < 31
+
+
+async def test_shutdown_closes_idle_connections_at_once(
+        autojump_clock: trio.abc.Clock) -> None:
+    """Once the server stops accepting, an idle keep-alive connection is closed at once and a
+    busy one as soon as its answer is sent (Hypercorn's timer does the same)."""
+    app = WaitingApp()
+    stop = trio.Event()
+    with trio.fail_after(1000):  # the mock clock's
+        await shut_down_with(app, stop)
+
+
+async def shut_down_with(app: WaitingApp, stop: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(connections.serve, app,
+                                            hypercorn_config(keep_alive_timeout=300,
+                                                             graceful_timeout=300),
+                                            shutdown_trigger=stop.wait))
+        host, port = binds[0].removeprefix("http://").rsplit(":", 1)
+        idle, idle_conn = await send_request(host, int(port), "/now")
+        assert (await read_answer(idle, idle_conn) or (0,))[0] == 200
+        busy, busy_conn = await send_request(host, int(port), "/slow")
+        await trio.sleep(1)
+        stop.set()
+        stopped = trio.current_time()
+        idle_conn.start_next_cycle()
+        assert await read_answer(idle, idle_conn) is None
+        assert trio.current_time() - stopped < 1
+        assert (await read_answer(busy, busy_conn) or (0,))[0] == 200  # answered, then closed
+        busy_conn.start_next_cycle()
+        assert await read_answer(busy, busy_conn) is None
+        assert trio.current_time() - stopped < 100
+        await idle.aclose()
+        await busy.aclose()
 
 
 async def test_a_closed_connection_leaves_no_cycles_for_the_collector() -> None:
