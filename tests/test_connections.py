@@ -143,6 +143,11 @@ class WaitingApp:
             pass
         if scope["path"] == "/slow":  # busy longer than any keep-alive timeout here
             await trio.sleep(100)
+        if scope["path"] == "/big":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(BIG_ANSWER)).encode())]})
+            await send({"type": "http.response.body", "body": BIG_ANSWER})
+            return
         if scope["path"] in ("/now", "/slow"):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-length", b"2")]})
@@ -150,6 +155,9 @@ class WaitingApp:
             return
         self.after_body.append((await receive())["type"])
         self.disconnected.set()
+
+
+BIG_ANSWER = b"x" * (3 * connections.COMBINED_WRITE_BYTES)
 
 
 def hypercorn_config(**kw: Any) -> HypercornConfig:
@@ -321,6 +329,32 @@ async def shut_down_with(app: WaitingApp, stop: trio.Event) -> None:
         assert trio.current_time() - stopped < 100
         await idle.aclose()
         await busy.aclose()
+
+
+async def test_an_answer_is_one_write_and_a_large_body_is_not_copied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A response's head, body and end go out in one write (Hypercorn makes three of them);
+    a body larger than ``COMBINED_WRITE_BYTES`` is written after its head, by itself."""
+    writes: list[bytes] = []
+    send_within = LeanTCPServer._send_within
+
+    async def recording(self: LeanTCPServer, data: bytes) -> str:
+        writes.append(data)
+        return await send_within(self, data)
+
+    monkeypatch.setattr(LeanTCPServer, "_send_within", recording)
+    app = WaitingApp()
+    async with serving(app, hypercorn_config()) as (host, port):
+        stream, conn = await send_request(host, port, "/now")
+        async with stream:
+            assert (await read_answer(stream, conn) or (0,))[0] == 200
+            assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200")
+            assert writes[0].endswith(b"\r\n\r\nok")
+            await next_request(stream, conn, host, "/big")
+            answer = await read_answer(stream, conn)
+            assert answer is not None and answer[2] == BIG_ANSWER
+    assert len(writes) == 3 and writes[1].startswith(b"HTTP/1.1 200")
+    assert writes[2] is BIG_ANSWER
 
 
 async def test_a_closed_connection_leaves_no_cycles_for_the_collector() -> None:

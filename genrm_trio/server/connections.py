@@ -52,6 +52,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
@@ -70,6 +71,11 @@ def lean_connections_supported() -> bool:
     """Whether the installed Hypercorn is one :class:`LeanTCPServer` was written against."""
     return version("hypercorn").startswith(SUPPORTED_HYPERCORN)
 
+
+COMBINED_WRITE_BYTES = 65536
+"""What Hypercorn writes for one of the app's messages up to this size is held and written in
+one write (:meth:`LeanTCPServer.app_send`); a larger body is written by itself, never
+copied."""
 
 APP_QUEUE_BODY_BYTES = 65536
 """Body bytes a request's :class:`AppQueue` takes before :meth:`AppQueue.put` waits for the app
@@ -157,14 +163,20 @@ async def _run_app(app: Any, config: HypercornConfig, scope: Any,
 
 
 class _LeanTaskGroup(TaskGroup):
-    """The connection's task group: the app's messages go through an :class:`AppQueue`."""
+    """The connection's task group: the app's messages go through an :class:`AppQueue`, and
+    its sends through the connection's :meth:`LeanTCPServer.app_send`."""
+
+    def __init__(self, server: LeanTCPServer) -> None:
+        super().__init__()
+        self._server = server
 
     async def spawn_app(self, app: Any, config: HypercornConfig, scope: Any,
                         send: Callable[[ASGISendEvent | None], Awaitable[None]],
                         ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
         queue = AppQueue(config.max_app_queue_size)
         assert self._nursery is not None
-        self._nursery.start_soon(_run_app, app, config, scope, queue.get, send)
+        self._nursery.start_soon(_run_app, app, config, scope, queue.get,
+                                 partial(self._server.app_send, send))
         return queue.put
 
 
@@ -187,6 +199,9 @@ class LeanTCPServer(TCPServer):
         self._idle_until = math.inf
         self._read_until = math.inf
         self._reading: trio.CancelScope | None = None
+        # What Hypercorn wrote while the app's send runs, held to be written at once.
+        self._app_sending = False
+        self._held: list[bytes] = []
 
     def _set_idle(self, idle: bool) -> None:
         """Hypercorn's ``Updated`` event: idle (between requests) for ``keep_alive_timeout``
@@ -210,11 +225,48 @@ class LeanTCPServer(TCPServer):
         # TCPServer.protocol_send, with the bytes written by _send_within (a deadline on
         # progress) instead of an unbounded shielded send_all. Still shielded: quart-trio
         # cancels a request as soon as Hypercorn reports its stream done, mid-write.
+        if isinstance(event, RawData):
+            data = event.data
+            if self._app_sending and len(data) <= COMBINED_WRITE_BYTES:
+                self._held.append(data)  # written when the app's send returns (app_send)
+                return
+            if self._held:  # a large body: the head first, then the body as it is (no copy)
+                await self._write(self._take_held())
+            await self._write(data)
+            return
+        if self._held:  # what the app sent goes out before anything that follows it
+            await self._write(self._take_held())
         if isinstance(event, Updated):
             self._set_idle(event.idle)
             return
-        if not isinstance(event, RawData):
-            await super().protocol_send(event)
+        await super().protocol_send(event)
+
+    async def app_send(self, send: Callable[[ASGISendEvent | None], Awaitable[None]],
+                       message: ASGISendEvent | None) -> None:
+        """The app's ``send`` on an HTTP/1.1 connection: the bytes Hypercorn makes of one ASGI
+        message are written in one write when it is handled, a response's start with its first
+        body message (Hypercorn writes a response's head, each body chunk and the end, an empty
+        one, each by itself: three writes, where the client reads one answer; the head alone
+        waits for the next message, which ASGI requires to follow). HTTP/2 is left as it is:
+        its streams send at once, one connection's bytes in the order the h2 library made
+        them."""
+        if self._app_sending or not isinstance(self.protocol.protocol, H11Protocol):
+            await send(message)
+            return
+        self._app_sending = True
+        try:
+            await send(message)
+        finally:
+            self._app_sending = False
+        if self._held and (message is None or message["type"] != "http.response.start"):
+            await self._write(self._take_held())
+
+    def _take_held(self) -> bytes:
+        held, self._held = self._held, []
+        return b"".join(held)
+
+    async def _write(self, data: bytes) -> None:
+        if not data:  # Hypercorn's end of a body of known length: nothing to write
             return
         lock = self.send_lock
         if lock.locked():
@@ -223,7 +275,7 @@ class LeanTCPServer(TCPServer):
             lock.acquire_nowait()
         try:
             with trio.CancelScope(shield=True):
-                outcome = await self._send_within(event.data)
+                outcome = await self._send_within(data)
             if outcome == "stalled":
                 if self._on_send_timeout is not None:
                     self._on_send_timeout()
@@ -272,7 +324,7 @@ class LeanTCPServer(TCPServer):
             client = parse_socket_addr(socket.family, socket.getpeername())
             server = parse_socket_addr(socket.family, socket.getsockname())
 
-            async with _LeanTaskGroup() as task_group:
+            async with _LeanTaskGroup(self) as task_group:
                 self._task_group = task_group
                 self.protocol = ProtocolWrapper(
                     self.app,
