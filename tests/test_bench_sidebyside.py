@@ -44,9 +44,10 @@ def test_the_table_gives_each_arm_its_medians_and_its_ratio_to_the_first_arm() -
     assert [a["median"]["verifies_per_s"] for a in doc["arms"]] == [200.0, 150.0]
 
 
-@pytest.mark.parametrize("items", [["n=1"], ["k=x"], ["rounds=0"], ["colour=red"], ["n"]])
+@pytest.mark.parametrize("items", [["n=1"], ["k=x"], ["rounds=0"], ["colour=red"], ["n"],
+                                   ["steps=yes"]])
 def test_bad_side_items_raise_naming_the_item(items: list[str]) -> None:
-    with pytest.raises(ValueError, match="n|k|rounds|colour"):
+    with pytest.raises(ValueError, match="n|k|rounds|colour|steps"):
         sidebyside.parse_side(items)
 
 
@@ -88,17 +89,22 @@ async def test_a_short_run_against_head_measures_both_arms_and_prints_their_rati
     with (code / "genrm_trio" / "__init__.py").open("a") as init:
         init.write("\nimport os as _os\nif 'SBS_TEST_MARK' in _os.environ:\n"
                    "    open(_os.environ['SBS_TEST_MARK'], 'w').write(__file__)\n")
-    cfg = SideBySide(n=2, k=2, judge_ms=0.0, duration_s=0.5, rounds=2)
+    cfg = SideBySide(n=2, k=2, judge_ms=0.0, duration_s=0.5, rounds=2, steps=True)
     arms = [Arm("current"), Arm("head", code, (("judge.routing", "least_loaded"),))]
     lines: list[str] = []
     results = await sidebyside.run_side_by_side(arms, cfg, tmp_path / "logs", echo=lines.append)
     for res in results:
         assert len(res.rounds) == cfg.rounds
         assert all(r["verifies_per_s"] > 0 and r["failed_members"] == 0 for r in res.rounds)
+        # Both servers counted their trio task steps (the earlier commit's through the
+        # sitecustomize copy): a verify takes a few, never none.
+        assert all(1 < r["steps_per_verify"] < 100 for r in res.rounds), res.rounds
     assert len(lines) == cfg.rounds * len(arms)
     table = sidebyside.render(results, cfg)
     assert _cells(table, "current")[2] == "1.000"
     ratio = float(_cells(table, "head")[2])
     expected = results[1].median("verifies_per_s") / results[0].median("verifies_per_s")
     assert ratio == pytest.approx(expected, abs=1e-3)
+    steps = results[1].median("steps_per_verify") / results[0].median("steps_per_verify")
+    assert float(_cells(table, "head")[-1]) == pytest.approx(steps, abs=1e-3)
     assert mark.read_text() == str(code / "genrm_trio" / "__init__.py")

@@ -17,6 +17,10 @@ stacks, ``<label>.txt``) during its rounds after the first.
 
 ``nemo``: NeMo Gym's venv; its ``genrm_compare`` then runs as one more arm against the same
 mock judge (:mod:`genrm_trio.bench.nemo_gym`; its ``--set`` values do not apply).
+
+``steps``: count each of our servers' trio task steps (:mod:`genrm_trio.bench.step_counter`,
+put first on its ``PYTHONPATH`` as ``sitecustomize``, so an earlier commit is counted too) and
+report ``steps_per_verify`` per round: a figure the machine's noise does not move.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -38,7 +43,7 @@ from typing import Any
 import msgspec
 import trio
 
-from genrm_trio.bench import loadgen
+from genrm_trio.bench import loadgen, step_counter
 from genrm_trio.bench.loadgen import BodyFactory, H11Client, LoadPlan, median, percentile
 from genrm_trio.bench.nemo_gym import nemo_config
 from genrm_trio.bench.processes import Proc, free_port, launch_process
@@ -47,6 +52,8 @@ from genrm_trio.bench.rig import READY_MOCK, READY_OURS
 
 #: Metrics per round and arm, in table order.
 METRICS = ("verifies_per_s", "cpu_ms_per_cohort", "p50_ms", "p99_ms", "failed_members")
+#: With ``--side steps=1``, per round and arm of ours: trio task steps per verify.
+STEPS = "steps_per_verify"
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class SideBySide:
     mock_sets: tuple[tuple[str, str], ...] = ()
     py_spy: Path | None = None
     nemo: Path | None = None
+    steps: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.n <= 256:
@@ -96,7 +104,8 @@ class ArmResult:
     rounds: list[dict[str, float]] = field(default_factory=list)
 
     def median(self, metric: str) -> float:
-        values = [r[metric] for r in self.rounds if not math.isnan(r[metric])]
+        values = [r[metric] for r in self.rounds
+                  if metric in r and not math.isnan(r[metric])]
         return median(values) if values else math.nan
 
 
@@ -160,13 +169,19 @@ def serve_command(arm: Arm, judge_url: str, n: int) -> list[str]:
     return cmd
 
 
-def _launch(arm: Arm, judge_url: str, n: int, logs: Path) -> Any:
-    """The process context of one arm (ours, or NeMo Gym's app.py in its venv)."""
+def _launch(arm: Arm, judge_url: str, n: int, logs: Path, counted: Path | None) -> Any:
+    """The process context of one arm (ours, or NeMo Gym's app.py in its venv); ``counted``:
+    the folder of the step counter's ``sitecustomize.py`` (``--side steps=1``)."""
     if arm.nemo is None:
         # In the arm's folder: ``python -m`` puts the working directory first on sys.path, so
         # started from a checkout an earlier commit's arm would import the checkout's code.
+        env = arm_env(arm)
+        if counted is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(counted), env.get("PYTHONPATH", "")) if p)
+            env[step_counter.COUNT_FILE_ENV] = str(steps_file(logs, arm))
         return launch_process(serve_command(arm, judge_url, n), log_path=logs / f"{arm.label}.log",
-                              ready_prefix=READY_OURS, env=arm_env(arm),
+                              ready_prefix=READY_OURS, env=env,
                               cwd=None if arm.code is None else str(arm.code))
     port = free_port()
     env = dict(os.environ)
@@ -177,6 +192,31 @@ def _launch(arm: Arm, judge_url: str, n: int, logs: Path) -> Any:
     python = str(arm.nemo.parents[4] / "bin" / "python")
     return launch_process([python, "app.py"], log_path=logs / f"{arm.label}.log",
                           base_url=f"http://127.0.0.1:{port}", env=env, cwd=str(arm.nemo))
+
+
+def write_step_counter(folder: Path) -> Path:
+    """``folder`` with :mod:`genrm_trio.bench.step_counter` in it as ``sitecustomize.py``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(Path(step_counter.__file__).read_text())
+    return folder
+
+
+def steps_file(logs: Path, arm: Arm) -> Path:
+    """Where an arm's server writes its step count (``--side steps=1``)."""
+    return logs / f"{arm.label}.steps"
+
+
+async def read_steps(pid: int, path: Path, timeout_s: float = 10.0) -> int:
+    """The task steps the server ``pid`` has run so far: asked for with ``SIGUSR2``, read from
+    ``path`` once the server has written it. Raises ``TimeoutError`` past ``timeout_s``."""
+    count = trio.Path(path)
+    await count.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR2)
+    with trio.move_on_after(timeout_s):
+        while not await count.exists():  # noqa: ASYNC110 (another process writes it)
+            await trio.sleep(0.01)
+        return int(await count.read_text())
+    raise TimeoutError(f"no step count from pid {pid} in {timeout_s:g} s ({path})")
 
 
 def arm_env(arm: Arm) -> dict[str, str]:
@@ -206,7 +246,8 @@ async def _py_spy(pid: int, out: Path, duration_s: float) -> AsyncIterator[None]
 
 
 async def _round(client: H11Client, server: Proc, bodies: BodyFactory, cfg: SideBySide,
-                 first_cohort: int) -> dict[str, float]:
+                 first_cohort: int, count: Path | None = None) -> dict[str, float]:
+    steps_before = await read_steps(server.pid, count) if count is not None else 0
     before = loadgen.read_proc_stats(server.pid)
     plan = LoadPlan(n=cfg.n, k=cfg.k, max_cohorts=1_000_000, duration_s=cfg.duration_s,
                     first_cohort=first_cohort)
@@ -214,7 +255,11 @@ async def _round(client: H11Client, server: Proc, bodies: BodyFactory, cfg: Side
     cpu_s = loadgen.read_proc_stats(server.pid).cpu_s - before.cpu_s
     ok = sum(1 for c in result.cohorts if c.ok)
     lat = [s * 1000.0 for s in result.latencies_s()]
-    return {
+    steps: dict[str, float] = {}
+    if count is not None:
+        taken = await read_steps(server.pid, count) - steps_before
+        steps["steps_per_verify"] = taken / result.verifies if result.verifies else math.nan
+    return steps | {
         "verifies_per_s": result.verifies / result.wall_s if result.wall_s else math.nan,
         "cpu_ms_per_cohort": 1000.0 * cpu_s / ok if ok else math.nan,
         "p50_ms": percentile(lat, 0.5),
@@ -235,12 +280,16 @@ async def run_side_by_side(arms: Sequence[Arm], cfg: SideBySide, logs: Path,
     for key, value in cfg.mock_sets:
         mock += ["--set", f"{key}={value}"]
     tag = f"sbs-{int(time.time())}"
+    counted = None
+    if cfg.steps:
+        counted = write_step_counter(logs / "step_counter")
     async with AsyncExitStack() as stack:
         judge = await stack.enter_async_context(launch_process(
             mock, log_path=logs / "judge.log", ready_prefix=READY_MOCK))
         servers: list[tuple[Proc, H11Client]] = []
         for arm in arms:
-            proc = await stack.enter_async_context(_launch(arm, judge.base_url, cfg.n, logs))
+            proc = await stack.enter_async_context(
+                _launch(arm, judge.base_url, cfg.n, logs, counted))
             host, port = proc.host_port
             client = H11Client(host, port)
             stack.push_async_callback(client.aclose)
@@ -262,10 +311,12 @@ async def run_side_by_side(arms: Sequence[Arm], cfg: SideBySide, logs: Path,
                         cfg.py_spy.mkdir(parents=True, exist_ok=True)
                         await spy.enter_async_context(_py_spy(
                             proc.pid, cfg.py_spy / f"{arms[at].label}.r{r}.txt", cfg.duration_s))
-                    row = await _round(client, proc, bodies, cfg, cohort)
+                    count = (steps_file(logs, arms[at])
+                             if counted is not None and arms[at].nemo is None else None)
+                    row = await _round(client, proc, bodies, cfg, cohort, count)
                 results[at].rounds.append(row)
                 echo(f"round {r + 1} {arms[at].label}: " + "  ".join(
-                    f"{m} {row[m]:.1f}" for m in METRICS))
+                    f"{m} {row[m]:.1f}" for m in (*METRICS, STEPS) if m in row))
     return results
 
 
@@ -277,12 +328,21 @@ def render(results: Sequence[ArmResult], cfg: SideBySide) -> str:
              "| arm | verifies/s | ratio | CPU ms/cohort | p50 ms | p99 ms | p99 ratio | failed |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     ref = results[0]
+    counted = any(STEPS in r for res in results for r in res.rounds)
+    if counted:  # trio task steps per verify, and their ratio to the first arm's
+        lines[2] += " steps/verify | steps ratio |"
+        lines[3] += " --- | --- |"
     for res in results:
         v, p99 = res.median("verifies_per_s"), res.median("p99_ms")
-        lines.append(
+        line = (
             f"| {res.arm.label} | {v:,.0f} | {v / ref.median('verifies_per_s'):.3f} | "
             f"{res.median('cpu_ms_per_cohort'):.2f} | {res.median('p50_ms'):.1f} | {p99:.1f} | "
             f"{p99 / ref.median('p99_ms'):.3f} | {res.median('failed_members'):.0f} |")
+        if counted:
+            steps = res.median(STEPS)
+            line += (" - | - |" if math.isnan(steps) else
+                     f" {steps:.2f} | {steps / ref.median(STEPS):.3f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -293,14 +353,15 @@ def to_json(results: Sequence[ArmResult], cfg: SideBySide) -> bytes:
         "arms": [{"label": r.arm.label, "code": str(r.arm.code) if r.arm.code else None,
                   "nemo": str(r.arm.nemo) if r.arm.nemo else None,
                   "sets": dict(r.arm.sets), "rounds": r.rounds,
-                  "median": {m: r.median(m) for m in METRICS}} for r in results],
+                  "median": {m: r.median(m) for m in (*METRICS, STEPS)}} for r in results],
     }
     return msgspec.json.encode(doc)
 
 
 def parse_side(items: Sequence[str]) -> SideBySide:
     """``--side`` items: ``n``, ``k``, ``judge_ms``, ``duration_s``, ``rounds``,
-    ``mock=KEY=VALUE`` (repeatable), ``py_spy=DIR``, ``nemo=VENV``. Raises ValueError naming
+    ``mock=KEY=VALUE`` (repeatable), ``py_spy=DIR``, ``nemo=VENV``, ``steps=1``. Raises
+    ValueError naming
     the item. Pure."""
     kw: dict[str, Any] = {}
     mock: list[str] = []
@@ -314,6 +375,10 @@ def parse_side(items: Sequence[str]) -> SideBySide:
                 mock.append(value)
             elif key in ("py_spy", "nemo"):
                 kw[key] = Path(value)
+            elif key == "steps":
+                if value not in ("0", "1"):
+                    raise ValueError(f"expected 0 or 1, got {value!r}")
+                kw[key] = value == "1"
             else:
                 raise ValueError(f"unknown --side key {key!r}")
         except ValueError as exc:
