@@ -271,9 +271,14 @@ class Affinity:
 
     def keys(self, endpoint: Endpoint, prefix: str | None) -> tuple[PrefixKey, ...]:
         """The prefixes a call starting with ``prefix`` would compute on ``endpoint``."""
-        candidates = ((endpoint, None),) if prefix is None else ((endpoint, None),
-                                                                (endpoint, prefix))
-        return tuple(key for key in candidates if key not in self.warm)
+        warm = self.warm
+        conversation = (endpoint, None)
+        if prefix is None:
+            return () if conversation in warm else (conversation,)
+        own = (endpoint, prefix)
+        if conversation in warm:
+            return () if own in warm else (own,)
+        return (conversation,) if own in warm else (conversation, own)
 
     def tier(self, endpoint: Endpoint, prefix: str | None) -> int:
         """What a call starting with ``prefix`` would compute on ``endpoint``: 0 nothing of
@@ -359,6 +364,8 @@ class Endpoints:
         self._factor = cfg.judge.affinity_spill_factor
         self.all = [Endpoint(u, limit, own_slots=self.affinity, engine=cfg.judge.engine)
                     for u in urls]
+        # One judge URL: every call goes to it, so the choice costs nothing (_target).
+        self._single = self.all[0] if len(self.all) == 1 else None
 
     # -- cohort_affinity ------------------------------------------------------------------
 
@@ -377,6 +384,11 @@ class Endpoints:
 
     def _target(self, avoid: object | None, affinity: Affinity | None,
                 prefix: str | None) -> Endpoint:
+        single = self._single
+        if single is not None:  # cooling or not, a retry or not: the only one there is
+            if affinity is not None:
+                affinity.endpoint = single
+            return single
         now = trio.current_time()
         ready = self._ready(now)
         if not ready:
@@ -548,8 +560,9 @@ class Endpoints:
     def _waits(self, endpoint: Endpoint, affinity: Affinity | None, prefix: str | None) -> bool:
         """A call of ``affinity``'s group starting with ``prefix`` would wait at ``endpoint``
         although it has a free slot (:meth:`_defers`)."""
-        return (affinity is not None and affinity.tier(endpoint, prefix) == DUPLICATE
-                and self._defers(endpoint, affinity))
+        # The cheap test first: where prefix waits do not pay, no prefix is looked up.
+        return (affinity is not None and self._defers(endpoint, affinity)
+                and affinity.tier(endpoint, prefix) == DUPLICATE)
 
     def _defers(self, endpoint: Endpoint, affinity: Affinity | None) -> bool:
         """Whether a call that would compute again a prefix a call in flight is computing
@@ -572,6 +585,8 @@ class Endpoints:
         """Whether prefix waits pay on some endpoint that has answered (:class:`Crowd`
         ``waits``, the registry's warm-up call); True while none has answered, unless
         ``judge.engine`` is ``vllm``."""
+        if self._single is not None:
+            return self.prefix_waits(self._single)
         heard = [e for e in self.all if e.answered]
         if not heard:
             return any(self.prefix_waits(e) for e in self.all)
