@@ -361,8 +361,7 @@ def to_json(results: Sequence[ArmResult], cfg: SideBySide) -> bytes:
 def parse_side(items: Sequence[str]) -> SideBySide:
     """``--side`` items: ``n``, ``k``, ``judge_ms``, ``duration_s``, ``rounds``,
     ``mock=KEY=VALUE`` (repeatable), ``py_spy=DIR``, ``nemo=VENV``, ``steps=1``. Raises
-    ValueError naming
-    the item. Pure."""
+    ValueError naming the item. Pure."""
     kw: dict[str, Any] = {}
     mock: list[str] = []
     for key, value in parse_sets(items):
